@@ -1,0 +1,3 @@
+"""vtoken: token-level KV virtualization (the vToken substrate) and KV-eviction diagnostics."""
+
+__version__ = "0.1.0"

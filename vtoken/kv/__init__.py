@@ -1,0 +1,1 @@
+"""Below the policy boundary: block pool, token tables, reclaimer, copy engine, KV tensors."""

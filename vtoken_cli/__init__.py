@@ -1,0 +1,1 @@
+"""The vtoken command-line tool."""
