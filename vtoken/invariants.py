@@ -1,0 +1,142 @@
+"""Invariants I1-I4 of the substrate (DESIGN.md §3) as pure checks.
+
+Each function reads state and raises `InvariantError` with the numbers that disagree; none
+mutates anything. They are independent of the planner's own gates: I4 re-derives what a plan
+must satisfy from the table and the pool.
+
+- I1 token conservation: relocation keeps the set of live ids and every live token's K/V.
+- I2 unique mapping: one slot per live token, no slot claimed twice, pool counts = tables'.
+- I3 pre-attention visibility: attention never reads a slot whose copy has not landed.
+- I4 layout-aware planning: consistent snapshot, no overlap in flight, strict block decrease,
+  no shared or pinned block touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from vtoken.errors import InvariantError
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.token_table import TokenTable
+
+
+def check_conservation(req_id: int, live_ids_before: np.ndarray, live_ids_after: np.ndarray) -> None:
+    """I1 (ids): a relocation neither loses nor adds live tokens."""
+    if not np.array_equal(live_ids_before, live_ids_after):
+        lost = np.setdiff1d(live_ids_before, live_ids_after)
+        added = np.setdiff1d(live_ids_after, live_ids_before)
+        raise InvariantError(
+            "I1", f"request {req_id}: live tokens changed across relocation, lost {lost[:5].tolist()} added {added[:5].tolist()}",
+            req_id=req_id, token_id=int((lost if lost.size else added)[0]),
+        )
+
+
+def check_contents(req_id: int, token_ids: np.ndarray, slots: np.ndarray, mismatched: np.ndarray, block_size: int) -> None:
+    """I1 (data): `mismatched[i]` says token_ids[i] read back other K/V than it was written with."""
+    if np.any(mismatched):
+        i = int(np.flatnonzero(mismatched)[0])
+        slot = int(slots[i])
+        raise InvariantError(
+            "I1", f"request {req_id}: token {int(token_ids[i])} reads wrong K/V at block {slot // block_size} "
+            f"offset {slot % block_size} ({int(mismatched.sum())} tokens differ)",
+            req_id=req_id, token_id=int(token_ids[i]), block_id=slot // block_size, offset=slot % block_size,
+        )
+
+
+def check_unique_mapping(pool: BlockPool, tables: Sequence[TokenTable]) -> None:
+    """I2: every live token has one slot, no slot is claimed twice, counts agree with the pool."""
+    block_size = pool.block_size
+    expected_live = np.zeros(pool.num_blocks, dtype=np.int64)
+    expected_refs = np.zeros(pool.num_blocks, dtype=np.int64)
+    shared_block_ids: set[int] = set()
+    claimed: list[np.ndarray] = []
+    for table in tables:
+        held = np.asarray(table.block_ids_held, dtype=np.int64)
+        expected_refs[held] += 1
+        live_ids = table.live_token_ids()
+        own_ids = live_ids[live_ids >= table.num_pinned_tokens]
+        blocks = table.block_ids[own_ids]
+        outside = ~np.isin(blocks, held)
+        if np.any(outside):
+            token_id = int(own_ids[outside][0])
+            raise InvariantError("I2", f"request {table.req_id}: token {token_id} maps to block {int(blocks[outside][0])} it does not hold",
+                                 req_id=table.req_id, token_id=token_id)
+        np.add.at(expected_live, blocks, 1)
+        shared_block_ids.update(table.block_ids_held[: table.num_pinned_blocks])
+        claimed.append(np.stack((np.full(own_ids.size, table.req_id), own_ids, blocks * block_size + table.offsets[own_ids])))
+    for block_id in shared_block_ids:
+        expected_live[block_id] = block_size
+    _check_no_slot_twice(claimed, block_size)
+    _check_counts(pool, expected_live, expected_refs)
+
+
+def _check_no_slot_twice(claimed: list[np.ndarray], block_size: int) -> None:
+    if not claimed:
+        return
+    req_ids, token_ids, slots = np.concatenate(claimed, axis=1)
+    order = np.argsort(slots, kind="stable")
+    repeated = np.flatnonzero(np.diff(slots[order]) == 0)
+    if repeated.size:
+        a, b = order[repeated[0]], order[repeated[0] + 1]
+        slot = int(slots[a])
+        raise InvariantError(
+            "I2", f"slot {slot} (block {slot // block_size}, offset {slot % block_size}) is claimed by "
+            f"request {int(req_ids[a])} token {int(token_ids[a])} and request {int(req_ids[b])} token {int(token_ids[b])}",
+            req_id=int(req_ids[b]), token_id=int(token_ids[b]), block_id=slot // block_size, offset=slot % block_size,
+        )
+
+
+def _check_counts(pool: BlockPool, expected_live: np.ndarray, expected_refs: np.ndarray) -> None:
+    wrong = np.flatnonzero(expected_live != pool.live_counts)
+    if wrong.size:
+        b = int(wrong[0])
+        raise InvariantError("I2", f"block {b}: pool counts {int(pool.live_counts[b])} live tokens, the tables map {int(expected_live[b])}",
+                             block_id=b)
+    wrong = np.flatnonzero(expected_refs != pool.ref_counts)
+    if wrong.size:
+        b = int(wrong[0])
+        raise InvariantError("I2", f"block {b}: ref count {int(pool.ref_counts[b])}, held by {int(expected_refs[b])} requests", block_id=b)
+    if pool.num_live_tokens != int(pool.live_counts.sum()):
+        raise InvariantError("I2", f"pool total {pool.num_live_tokens} live tokens, blocks sum to {int(pool.live_counts.sum())}")
+
+
+def check_visibility(req_id: int, read_slots: np.ndarray, in_flight: Iterable[RelocationPlan], block_size: int) -> None:
+    """I3: a read of a slot that an in-flight copy is still writing."""
+    for plan in in_flight:
+        pending = plan.moves.dst_slots(block_size)
+        early = np.isin(read_slots, pending)
+        if np.any(early):
+            slot = int(read_slots[early][0])
+            token_id = int(plan.moves.token_ids[np.flatnonzero(pending == slot)[0]])
+            raise InvariantError(
+                "I3", f"request {req_id} read slot {slot} (block {slot // block_size}, offset {slot % block_size}) "
+                f"before the copy of request {plan.req_id} token {token_id} completed",
+                req_id=req_id, token_id=token_id, block_id=slot // block_size, offset=slot % block_size,
+            )
+
+
+def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_req_ids: frozenset[int]) -> None:
+    """I4: the plan is safe to launch on the current state."""
+    def fail(message: str, **where: int) -> None:
+        raise InvariantError("I4", f"request {plan.req_id} plan: {message}", req_id=plan.req_id, **where)
+
+    if plan.req_id in busy_req_ids:
+        fail("overlaps a plan of the same request still in flight")
+    if plan.layout_version != table.layout_version:
+        fail(f"planned on layout version {plan.layout_version}, the table is at {table.layout_version}")
+    if plan.src_block_ids.size <= plan.dst_new_block_ids.size:
+        fail(f"does not reduce the block count ({plan.src_block_ids.size} sources, {plan.dst_new_block_ids.size} new blocks)")
+    pinned = set(table.block_ids_held[: table.num_pinned_blocks])
+    touched = np.unique(np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids)))
+    for block_id in touched.tolist():
+        if block_id in pinned or (pool.ref_counts[block_id] > 1 and block_id not in plan.dst_new_block_ids):
+            fail(f"touches shared prefix block {block_id}", block_id=block_id)
+    live_ids = table.live_token_ids()
+    in_src = live_ids[np.isin(table.block_ids[live_ids], plan.src_block_ids)]
+    if not np.array_equal(np.sort(plan.moves.token_ids), in_src):
+        missing = np.setdiff1d(in_src, plan.moves.token_ids)
+        token_id = int(missing[0]) if missing.size else int(plan.moves.token_ids[0])
+        fail(f"moves {plan.moves.num_moves} tokens but its sources hold {in_src.size} live ones", token_id=token_id)

@@ -1,0 +1,147 @@
+"""The physical KV block pool: a free list, ref counts and per-block live-token counts.
+
+The pool is the only owner of block state. Token tables tell it how many tokens of a block
+became live or dead (`adjust_live`); the runtime allocates and frees through it. The waste
+ratio F (DESIGN.md Eq. 1) and the 10-bin utilization histogram are kept incrementally: every
+operation updates only the blocks it touches, so reading them is O(1).
+
+    F = 1 - sum(n_i) / (N * S)   over the N allocated blocks, n_i live tokens in block i
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtoken.errors import ConfigError, VTokenError
+
+NUM_HISTOGRAM_BINS = 10
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ConfigError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # A stack: allocate() pops from the end, so a fresh pool hands out 0, 1, 2, ...
+        # and `peek_free` can tell a planner exactly which ids the next allocation returns.
+        self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self.live_counts = np.zeros(num_blocks, dtype=np.int32)
+        # bin of each block by u = n / S; bin 10 holds the free blocks and is never reported
+        self._bin_of_count = self._make_bin_table(block_size)
+        self._histogram = np.zeros(NUM_HISTOGRAM_BINS + 1, dtype=np.int64)
+        self._histogram[NUM_HISTOGRAM_BINS] = num_blocks
+        self._is_le_half = (2 * np.arange(block_size + 1) <= block_size).astype(np.int64)
+        self.num_live_tokens = 0
+        self.num_blocks_le_half = 0
+
+    @staticmethod
+    def _make_bin_table(block_size: int) -> np.ndarray:
+        counts = np.arange(block_size + 1)
+        return np.minimum(counts * NUM_HISTOGRAM_BINS // block_size, NUM_HISTOGRAM_BINS - 1)
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids)
+
+    @property
+    def num_allocated_blocks(self) -> int:
+        return self.num_blocks - len(self._free_ids)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free_ids)
+
+    def peek_free(self, num_blocks: int) -> np.ndarray:
+        """The ids that `allocate(num_blocks)` would return now, in the same order."""
+        if num_blocks > len(self._free_ids):
+            raise VTokenError(f"cannot peek {num_blocks} blocks, {len(self._free_ids)} free")
+        if num_blocks == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.array(self._free_ids[-1 : -num_blocks - 1 : -1], dtype=np.int64)
+
+    def allocate(self, num_blocks: int) -> np.ndarray:
+        """Take `num_blocks` free blocks (ref count 1, no live tokens). Raises when short."""
+        block_ids = self.peek_free(num_blocks)
+        if num_blocks:
+            del self._free_ids[-num_blocks:]
+            self.ref_counts[block_ids] = 1
+            self._histogram[NUM_HISTOGRAM_BINS] -= num_blocks
+            self._histogram[0] += num_blocks
+            self.num_blocks_le_half += num_blocks
+        return block_ids
+
+    def share(self, block_ids: np.ndarray) -> None:
+        """Add a reference to allocated blocks (another request reuses a common prefix)."""
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        if np.any(self.ref_counts[block_ids] <= 0):
+            raise VTokenError(f"cannot share free blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
+        self.ref_counts[block_ids] += 1
+
+    def free(self, block_ids: np.ndarray) -> None:
+        """Drop one reference per block; blocks left without references return to the free list.
+
+        Live tokens of a block that goes free are forgotten: the owner has stopped reading it.
+        """
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        if block_ids.size == 0:
+            return
+        if np.any(self.ref_counts[block_ids] <= 0):
+            raise VTokenError(f"double free of blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
+        if np.unique(block_ids).size != block_ids.size:
+            raise VTokenError(f"free() got repeated block ids {block_ids.tolist()}")
+        self.ref_counts[block_ids] -= 1
+        released = block_ids[self.ref_counts[block_ids] == 0]
+        if released.size == 0:
+            return
+        self._set_live(released, np.zeros(released.size, dtype=np.int32))
+        self._histogram[0] -= released.size
+        self._histogram[NUM_HISTOGRAM_BINS] += released.size
+        self.num_blocks_le_half -= released.size
+        # released in reverse so that the lowest id of a batch is handed out first next time
+        self._free_ids.extend(sorted(released.tolist(), reverse=True))
+
+    def is_shared(self, block_ids: np.ndarray) -> np.ndarray:
+        return self.ref_counts[np.asarray(block_ids, dtype=np.int64)] > 1
+
+    # ---- live tokens -----------------------------------------------------------------------
+
+    def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
+        """Add `deltas[i]` live tokens to `block_ids[i]` (ids distinct, blocks allocated)."""
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        new_counts = self.live_counts[block_ids] + deltas
+        if np.any(self.ref_counts[block_ids] <= 0):
+            raise VTokenError(f"live-count change on free blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
+        if np.any(new_counts < 0) or np.any(new_counts > self.block_size):
+            bad = block_ids[(new_counts < 0) | (new_counts > self.block_size)]
+            raise VTokenError(f"live count of blocks {bad.tolist()} would leave [0, {self.block_size}]")
+        self._set_live(block_ids, new_counts.astype(np.int32))
+
+    def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> None:
+        old_counts = self.live_counts[block_ids]
+        np.subtract.at(self._histogram, self._bin_of_count[old_counts], 1)
+        np.add.at(self._histogram, self._bin_of_count[new_counts], 1)
+        self.num_blocks_le_half += int(self._is_le_half[new_counts].sum() - self._is_le_half[old_counts].sum())
+        self.num_live_tokens += int(new_counts.sum() - old_counts.sum())
+        self.live_counts[block_ids] = new_counts
+
+    # ---- metrics (O(1)) ----------------------------------------------------------------------
+
+    def waste_ratio(self) -> float:
+        """F (Eq. 1) over the allocated blocks; 0.0 for an empty pool."""
+        num_allocated = self.num_allocated_blocks
+        if num_allocated == 0:
+            return 0.0
+        return 1.0 - self.num_live_tokens / (num_allocated * self.block_size)
+
+    def utilization_histogram(self) -> np.ndarray:
+        """Allocated blocks per bin of u = live / S: [0, .1), [.1, .2), ..., [.9, 1.0]."""
+        return self._histogram[:NUM_HISTOGRAM_BINS].copy()
+
+    def frac_blocks_le_half(self) -> float:
+        num_allocated = self.num_allocated_blocks
+        return self.num_blocks_le_half / num_allocated if num_allocated else 0.0

@@ -1,0 +1,198 @@
+"""The reclaimer: decides which live tokens to move so that whole blocks come free.
+
+Four stages (DESIGN.md §3): eligibility, headroom, planning, copy. This module owns the first
+three and mutates nothing: `plan` reads the pool and the token tables and returns
+`RelocationPlan`s; the runtime launches the copy and, once it completed, applies the moves to
+the table and frees the sources.
+
+Two planning modes, both only over blocks the request alone owns (never a shared or pinned
+prefix block) and never over the open tail block, where new tokens are being appended:
+
+hole-fill (default, fewest moves): live tokens of the request's *last* blocks move into the
+holes of its earlier blocks; the emptied blocks are freed. No destination blocks are needed.
+Valid because cached keys already carry their rotary position and attention does not depend on
+the order of keys.
+
+    before:  [L . L L][L L . .][. L . L][L L L L ... tail]
+    after:   [L L L L][L L L L][. . . .][L L L L ... tail]   block 3 freed, 3 moves
+
+ordered (the paper's): the live tokens of up to B lowest-utilization blocks are copied in
+logical order into ceil(T/S) fresh blocks taken from the headroom, out of place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from vtoken.errors import ConfigError
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.token_table import Moves, TokenTable
+
+RECLAIM_MODES = ("hole-fill", "ordered")
+
+
+@dataclass(frozen=True)
+class ReclaimConfig:
+    mode: str = "hole-fill"
+    theta_f: float = 0.25  # plan only when the pool's waste ratio F is at least this
+    low_watermark_frac: float = 0.5  # ... and fewer than this fraction of blocks is free
+    check_interval_steps: int = 1  # k: eligibility is checked every k decode steps
+    max_src_blocks: int = 64  # B: source blocks per plan
+    headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
+
+    def __post_init__(self) -> None:
+        if self.mode not in RECLAIM_MODES:
+            raise ConfigError(f"unknown reclaim mode '{self.mode}'; choose one of: {', '.join(RECLAIM_MODES)}")
+        if not 0.0 < self.theta_f < 1.0:
+            raise ConfigError(f"theta_F must be in (0, 1), got {self.theta_f}")
+        if not 0.0 < self.low_watermark_frac <= 1.0:
+            raise ConfigError(f"low watermark must be a fraction in (0, 1], got {self.low_watermark_frac}")
+        if self.check_interval_steps <= 0:
+            raise ConfigError(f"reclaim check interval must be > 0 steps, got {self.check_interval_steps}")
+        if self.max_src_blocks < 2:
+            raise ConfigError(f"reclaim batch size B must be >= 2 blocks, got {self.max_src_blocks}")
+        if self.headroom_blocks is not None and self.headroom_blocks < 0:
+            raise ConfigError(f"headroom must be >= 0 blocks, got {self.headroom_blocks}")
+
+    @property
+    def num_headroom_blocks(self) -> int:
+        if self.headroom_blocks is not None:
+            return self.headroom_blocks
+        return self.max_src_blocks if self.mode == "ordered" else 0
+
+
+@dataclass(frozen=True)
+class RelocationPlan:
+    """Moves for one request. Sources are freed and destinations adopted when the copy completes."""
+
+    req_id: int
+    mode: str
+    moves: Moves
+    src_block_ids: np.ndarray  # blocks emptied by the moves, freed on completion
+    dst_new_block_ids: np.ndarray  # fresh destination blocks (ordered); empty for hole-fill
+    layout_version: int  # the table's version the plan was computed from
+
+    @property
+    def num_tokens_moved(self) -> int:
+        return self.moves.num_moves
+
+    @property
+    def num_blocks_freed(self) -> int:
+        return int(self.src_block_ids.size - self.dst_new_block_ids.size)
+
+
+class Reclaimer:
+    def __init__(self, config: ReclaimConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.num_low_watermark_blocks = int(np.ceil(config.low_watermark_frac * pool.num_blocks))
+
+    def is_eligible(self, step_idx: int) -> bool:
+        """Stage 1: every k steps, F >= theta_F and free blocks below the low watermark."""
+        return (
+            step_idx % self.config.check_interval_steps == 0
+            and self.pool.num_free_blocks < self.num_low_watermark_blocks
+            and self.pool.waste_ratio() >= self.config.theta_f
+        )
+
+    def num_admissible_blocks(self) -> int:
+        """Stage 2: free blocks admission may take; the headroom stays for destinations."""
+        return max(0, self.pool.num_free_blocks - self.config.num_headroom_blocks)
+
+    def plan(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
+        """Stage 3: plans for the given requests, most reclaimable first; mutates nothing.
+
+        Requests in `busy_req_ids` (a plan in flight) are skipped. Ordered plans stop when the
+        free blocks run out.
+        """
+        candidates = [t for t in tables if t.req_id not in busy_req_ids and num_reclaimable_blocks(t) > 0]
+        candidates.sort(key=lambda t: (-num_reclaimable_blocks(t), t.req_id))
+        plans: list[RelocationPlan] = []
+        num_dst_used = 0
+        for table in candidates:
+            if self.config.mode == "hole-fill":
+                plan = plan_hole_fill(table, self.config.max_src_blocks)
+            else:
+                plan = plan_ordered(table, self.config.max_src_blocks, self.pool, num_dst_used)
+            if plan is not None:
+                plans.append(plan)
+                num_dst_used += plan.dst_new_block_ids.size
+        return plans
+
+
+def num_reclaimable_blocks(table: TokenTable) -> int:
+    """Blocks a perfect packing of the request's relocatable live tokens would give back."""
+    num_movable_blocks = len(movable_block_ids(table))
+    if num_movable_blocks == 0:
+        return 0
+    live_counts = table.pool.live_counts[movable_block_ids(table)]
+    return num_movable_blocks - int(-(-int(live_counts.sum()) // table.block_size))
+
+
+def movable_block_ids(table: TokenTable) -> np.ndarray:
+    """Blocks a plan may touch: held, not a pinned prefix, not the open tail, not shared."""
+    held = table.block_ids_held[table.num_pinned_blocks :]
+    if held and table.tail_num_written < table.block_size:
+        held = held[:-1]
+    block_ids = np.asarray(held, dtype=np.int64)
+    return block_ids[table.pool.ref_counts[block_ids] == 1]
+
+
+def plan_hole_fill(table: TokenTable, max_src_blocks: int) -> RelocationPlan | None:
+    block_ids = movable_block_ids(table)
+    live_counts = table.pool.live_counts[block_ids]
+    # Take sources from the end while their live tokens still fit in the earlier blocks' holes.
+    num_src, num_src_live = 0, 0
+    num_holes_before = np.cumsum(table.block_size - live_counts)  # holes in block_ids[:i+1]
+    while num_src < min(max_src_blocks, block_ids.size - 1):
+        next_live = num_src_live + int(live_counts[-1 - num_src])
+        if next_live > num_holes_before[block_ids.size - 2 - num_src]:
+            break
+        num_src, num_src_live = num_src + 1, next_live
+    if num_src == 0:
+        return None
+    src_block_ids, kept_block_ids = block_ids[block_ids.size - num_src :], block_ids[: block_ids.size - num_src]
+    token_ids, block_of_token, offset_of_token = _live_tokens_in(table, src_block_ids)
+    dst_blocks, dst_offsets = _holes(table, kept_block_ids, num_src_live)
+    moves = Moves(token_ids, block_of_token, offset_of_token, dst_blocks, dst_offsets)
+    return RelocationPlan(table.req_id, "hole-fill", moves, np.sort(src_block_ids), np.zeros(0, np.int64), table.layout_version)
+
+
+def plan_ordered(table: TokenTable, max_src_blocks: int, pool: BlockPool, num_dst_used: int) -> RelocationPlan | None:
+    block_ids = movable_block_ids(table)
+    live_counts = pool.live_counts[block_ids]
+    order = np.argsort(live_counts, kind="stable")
+    src_block_ids = block_ids[order[:max_src_blocks]]
+    src_block_ids = src_block_ids[pool.live_counts[src_block_ids] < table.block_size]
+    num_live = int(pool.live_counts[src_block_ids].sum())
+    num_dst = -(-num_live // table.block_size)
+    if num_dst >= src_block_ids.size or num_dst_used + num_dst > pool.num_free_blocks:
+        return None
+    dst_new_block_ids = pool.peek_free(num_dst_used + num_dst)[num_dst_used:]
+    token_ids, block_of_token, offset_of_token = _live_tokens_in(table, src_block_ids)
+    positions = np.arange(num_live)
+    moves = Moves(token_ids, block_of_token, offset_of_token, dst_new_block_ids[positions // table.block_size], positions % table.block_size)
+    return RelocationPlan(table.req_id, "ordered", moves, np.sort(src_block_ids), dst_new_block_ids, table.layout_version)
+
+
+def _live_tokens_in(table: TokenTable, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Live tokens of `table` stored in `block_ids`, in logical order, with their slots."""
+    live_ids = table.live_token_ids()
+    inside = live_ids[np.isin(table.block_ids[live_ids], block_ids)]
+    return inside, table.block_ids[inside].copy(), table.offsets[inside].copy()
+
+
+def _holes(table: TokenTable, block_ids: np.ndarray, num_holes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first `num_holes` slots of `block_ids` (in order, offsets ascending) without a live token."""
+    position_of_block = np.full(table.pool.num_blocks, -1, dtype=np.int64)
+    position_of_block[block_ids] = np.arange(block_ids.size)
+    occupied = np.zeros((block_ids.size, table.block_size), dtype=bool)
+    live_ids = table.live_token_ids()
+    positions = position_of_block[table.block_ids[live_ids]]
+    inside = positions >= 0
+    occupied[positions[inside], table.offsets[live_ids][inside]] = True
+    block_idx, offsets = np.nonzero(~occupied)
+    return block_ids[block_idx[:num_holes]], offsets[:num_holes]

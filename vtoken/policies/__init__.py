@@ -1,0 +1,50 @@
+"""Eviction policies, above the substrate boundary: pure functions from a request view to victim ids.
+
+One file per policy and one line in `POLICIES`; the CLI's `--policy` choices and the policy
+contract test read this registry.
+"""
+
+from __future__ import annotations
+
+from vtoken.errors import ConfigError
+from vtoken.policies.base import Budget, EvictionPolicy, RequestView, num_victims, protected_mask
+from vtoken.policies.h2o import H2O
+from vtoken.policies.random import RandomPolicy
+from vtoken.policies.scissorhands import Scissorhands
+from vtoken.policies.streaming_llm import StreamingLLM
+from vtoken.policies.tova import TOVA
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "h2o": H2O,
+    "streaming_llm": StreamingLLM,
+    "scissorhands": Scissorhands,
+    "random": RandomPolicy,
+    "tova": TOVA,
+}
+
+# What `vtoken audit` compares when the user names none: the four policies the design must ship.
+DEFAULT_AUDIT_POLICIES = ("h2o", "streaming_llm", "scissorhands", "random")
+
+
+def make_policy(name: str, seed: int = 0) -> EvictionPolicy:
+    """Build the registered policy `name`; raises ConfigError for an unknown name."""
+    if name not in POLICIES:
+        raise ConfigError(f"unknown policy '{name}'; choose one of: {', '.join(POLICIES)}")
+    return POLICIES[name](seed=seed)
+
+
+__all__ = [
+    "DEFAULT_AUDIT_POLICIES",
+    "POLICIES",
+    "Budget",
+    "EvictionPolicy",
+    "H2O",
+    "RandomPolicy",
+    "RequestView",
+    "Scissorhands",
+    "StreamingLLM",
+    "TOVA",
+    "make_policy",
+    "num_victims",
+    "protected_mask",
+]
