@@ -58,6 +58,8 @@ class BlockPool:
 
     def peek_free(self, num_blocks: int) -> np.ndarray:
         """The ids that `allocate(num_blocks)` would return now, in the same order."""
+        if num_blocks < 0:
+            raise VTokenError(f"cannot take a negative number of blocks, got {num_blocks}")
         if num_blocks > len(self._free_ids):
             raise VTokenError(f"cannot peek {num_blocks} blocks, {len(self._free_ids)} free")
         if num_blocks == 0:
@@ -77,7 +79,9 @@ class BlockPool:
 
     def share(self, block_ids: np.ndarray) -> None:
         """Add a reference to allocated blocks (another request reuses a common prefix)."""
-        block_ids = np.asarray(block_ids, dtype=np.int64)
+        block_ids = self._checked_ids(block_ids, "share")
+        if np.unique(block_ids).size != block_ids.size:
+            raise VTokenError(f"share() got repeated block ids {block_ids.tolist()}")
         if np.any(self.ref_counts[block_ids] <= 0):
             raise VTokenError(f"cannot share free blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
         self.ref_counts[block_ids] += 1
@@ -87,7 +91,7 @@ class BlockPool:
 
         Live tokens of a block that goes free are forgotten: the owner has stopped reading it.
         """
-        block_ids = np.asarray(block_ids, dtype=np.int64)
+        block_ids = self._checked_ids(block_ids, "free")
         if block_ids.size == 0:
             return
         if np.any(self.ref_counts[block_ids] <= 0):
@@ -105,6 +109,14 @@ class BlockPool:
         # released in reverse so that the lowest id of a batch is handed out first next time
         self._free_ids.extend(sorted(released.tolist(), reverse=True))
 
+    def _checked_ids(self, block_ids: np.ndarray, verb: str) -> np.ndarray:
+        # numpy would wrap a negative id around to the end of the pool
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        bad = (block_ids < 0) | (block_ids >= self.num_blocks)
+        if np.any(bad):
+            raise VTokenError(f"{verb}() got block ids out of range [0, {self.num_blocks}): {block_ids[bad].tolist()}")
+        return block_ids
+
     def is_shared(self, block_ids: np.ndarray) -> np.ndarray:
         return self.ref_counts[np.asarray(block_ids, dtype=np.int64)] > 1
 
@@ -112,7 +124,7 @@ class BlockPool:
 
     def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
         """Add `deltas[i]` live tokens to `block_ids[i]` (ids distinct, blocks allocated)."""
-        block_ids = np.asarray(block_ids, dtype=np.int64)
+        block_ids = self._checked_ids(block_ids, "adjust_live")
         new_counts = self.live_counts[block_ids] + deltas
         if np.any(self.ref_counts[block_ids] <= 0):
             raise VTokenError(f"live-count change on free blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")

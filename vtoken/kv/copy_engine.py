@@ -50,6 +50,7 @@ class CopyEngine:
         self.block_size = kv_cache.shape.block_size if kv_cache is not None else 0
         self._stream = torch.cuda.Stream(device=kv_cache.device) if mode == "async" else None
         self._in_flight: list[_InFlight] = []
+        self._cancelled_events: list = []
         self.num_bytes_copied = 0
 
     @property
@@ -86,9 +87,10 @@ class CopyEngine:
 
     def wait_before_forward(self) -> None:
         """Order the next forward after every in-flight copy (GPU side; no host wait)."""
-        for entry in self._in_flight:
-            if entry.done_event is not None:
-                torch.cuda.current_stream(self.kv_cache.device).wait_event(entry.done_event)
+        events = [e.done_event for e in self._in_flight if e.done_event is not None] + self._cancelled_events
+        for event in events:
+            torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+        self._cancelled_events = []
 
     def poll_completed(self) -> list[RelocationPlan]:
         """Plans whose copy has completed, in launch order; they leave the in-flight list."""
@@ -111,6 +113,17 @@ class CopyEngine:
         if entry.done_event is not None:
             return entry.done_event.query()
         return True
+
+    def cancel(self, req_id: int) -> None:
+        """Forget the plans of a request that released its blocks. On CUDA the copy was already
+        enqueued; its event stays awaited so that nothing reuses the blocks before it ran."""
+        kept = []
+        for entry in self._in_flight:
+            if entry.plan.req_id != req_id:
+                kept.append(entry)
+            elif entry.done_event is not None:
+                self._cancelled_events.append(entry.done_event)
+        self._in_flight = kept
 
     def drain(self) -> list[RelocationPlan]:
         """Wait for every in-flight copy (end of a run)."""

@@ -38,8 +38,8 @@ RECLAIM_MODES = ("hole-fill", "ordered")
 class ReclaimConfig:
     mode: str = "hole-fill"
     theta_f: float = 0.25  # plan only when the pool's waste ratio F is at least this
-    low_watermark_frac: float = 0.5  # ... and fewer than this fraction of blocks is free
-    check_interval_steps: int = 1  # k: eligibility is checked every k decode steps
+    low_watermark_frac: float = 1.0  # ... and fewer than this fraction of blocks is free (1.0: always)
+    check_interval_steps: int = 4  # k: eligibility is checked every k engine iterations
     max_src_blocks: int = 64  # B: source blocks per plan
     headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
 

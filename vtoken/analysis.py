@@ -1,0 +1,168 @@
+"""Analyses over runs: the three-variant comparison, the concurrency sweep with the SLA rule,
+the capacity frontier, and repeats with confidence intervals.
+
+- SLA threshold = `sla_factor` x the Naive-Evict p95 of `sla_metric` at concurrency C_ref.
+- C_sel per variant = the swept concurrency with the highest throughput whose p95 stays within
+  the threshold (None when none does).
+- Capacity frontier: C requests all resident from t = 0 in an unbounded pool; the peak number
+  of allocated blocks is the block demand; concurrency C is feasible when demand <= budget (no
+  request would have been preempted). `max_feasible_concurrency` is the largest C such that it
+  and every smaller swept C are feasible.
+- Repeats: every headline figure over N seeds, mean and a 95% Student-t interval.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy import stats
+
+from vtoken.engine import VARIANTS, RunConfig, run_sim
+from vtoken.errors import ConfigError
+from vtoken.metrics import RunResult
+from vtoken.trace import Request
+
+DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 12, 16, 22, 32, 48)
+SLA_METRICS = {"e2e": "latency", "ttft": "ttft", "tpot": "tpot"}
+
+Progress = Callable[[str, int], None]  # (stage description, units done)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    variant: str
+    concurrency: int
+    throughput_tok_s: float
+    p95_s: float
+    preemptions: int
+
+
+@dataclass(frozen=True)
+class SlaResult:
+    metric: str
+    factor: float
+    reference_concurrency: int
+    threshold_s: float
+    c_sel: dict[str, int | None]
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    variant: str
+    concurrency: int
+    peak_blocks: int
+    normalized_demand: float
+    is_feasible: bool
+
+
+@dataclass(frozen=True)
+class Frontier:
+    budget_blocks: int
+    points: tuple[FrontierPoint, ...]
+    max_feasible_concurrency: dict[str, int]
+    ideal_max_concurrency: int  # if every request held only ceil(kept tokens / S) blocks
+
+
+@dataclass(frozen=True)
+class Interval:
+    mean: float
+    low: float
+    high: float
+    num_samples: int
+
+
+def run_variants(base: RunConfig, requests: Sequence[Request], variants: Sequence[str] = VARIANTS,
+                 progress: Progress | None = None) -> dict[str, RunResult]:
+    """Replay the same requests through each variant (same seed, same eviction decisions)."""
+    results = {}
+    for variant in variants:
+        on_progress = (lambda n, v=variant: progress(f"{v}", n)) if progress else None
+        results[variant] = run_sim(replace(base, variant=variant), requests, on_progress)
+    return results
+
+
+def sweep(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
+          variants: Sequence[str] = VARIANTS, sla_metric: str = "e2e",
+          progress: Progress | None = None) -> list[SweepPoint]:
+    if sla_metric not in SLA_METRICS:
+        raise ConfigError(f"unknown SLA metric '{sla_metric}'; choose one of: {', '.join(SLA_METRICS)}")
+    points = []
+    for concurrency in concurrencies:
+        for variant in variants:
+            result = run_sim(replace(base, variant=variant, concurrency=concurrency), requests)
+            latency = getattr(result, SLA_METRICS[sla_metric])
+            points.append(SweepPoint(variant, concurrency, result.throughput_tok_s, latency.p95_s, result.preemptions))
+            if progress:
+                progress(f"sweep C={concurrency}", 1)
+    return points
+
+
+def sla_selection(points: Sequence[SweepPoint], metric: str = "e2e", factor: float = 1.05,
+                  reference_concurrency: int = 8) -> SlaResult:
+    reference = [p for p in points if p.variant == "naive-evict" and p.concurrency == reference_concurrency]
+    if not reference:
+        raise ConfigError(f"the sweep has no naive-evict point at the reference concurrency {reference_concurrency}")
+    threshold_s = factor * reference[0].p95_s
+    c_sel: dict[str, int | None] = {}
+    for variant in dict.fromkeys(p.variant for p in points):
+        within = [p for p in points if p.variant == variant and p.p95_s <= threshold_s]
+        best = max(within, key=lambda p: (p.throughput_tok_s, -p.concurrency), default=None)
+        c_sel[variant] = best.concurrency if best else None
+    return SlaResult(metric, factor, reference_concurrency, threshold_s, c_sel)
+
+
+def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
+             variants: Sequence[str] = VARIANTS, progress: Progress | None = None) -> Frontier:
+    """Block demand of C co-resident requests (the first C of `requests`, cycled if fewer)."""
+    budget = base.num_blocks
+    points = []
+    for concurrency in concurrencies:
+        batch = [requests[i % len(requests)] for i in range(concurrency)]
+        batch = [replace(r, request_id=f"{r.request_id}#{i}", arrival_s=0.0) for i, r in enumerate(batch)]
+        unbounded = sum(-(-(r.num_prompt_tokens + r.num_output_tokens) // base.block_size) for r in batch) + 1
+        for variant in variants:
+            config = replace(base, variant=variant, concurrency=None, admit_all_at_start=True,
+                             num_blocks=max(budget, unbounded), max_num_seqs=max(base.max_num_seqs, concurrency))
+            peak = run_sim(config, batch).peak_allocated_blocks
+            points.append(FrontierPoint(variant, concurrency, peak, peak / budget, peak <= budget))
+            if progress:
+                progress(f"frontier C={concurrency}", 1)
+    return Frontier(budget, tuple(points), _max_feasible(points, variants), _ideal_max(base, requests, budget))
+
+
+def _max_feasible(points: Sequence[FrontierPoint], variants: Sequence[str]) -> dict[str, int]:
+    best = {}
+    for variant in variants:
+        best[variant] = 0
+        for point in sorted((p for p in points if p.variant == variant), key=lambda p: p.concurrency):
+            if not point.is_feasible:
+                break
+            best[variant] = point.concurrency
+    return best
+
+
+def _ideal_max(base: RunConfig, requests: Sequence[Request], budget: int) -> int:
+    """Concurrency if each request's kept tokens were packed perfectly at its final length."""
+    budget_spec = base.eviction.budget
+    num_blocks = 0
+    for count in range(1, 100_000):
+        r = requests[(count - 1) % len(requests)]
+        num_tokens = r.num_prompt_tokens + r.num_output_tokens - 1
+        num_blocks += -(-budget_spec.num_keep_tokens(num_tokens) // base.block_size)
+        if num_blocks > budget:
+            return count - 1
+    return count
+
+
+def interval(samples: Sequence[float], confidence: float = 0.95) -> Interval:
+    values = np.asarray([s for s in samples if not math.isnan(s)], dtype=np.float64)
+    if values.size == 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0)
+    mean = float(values.mean())
+    if values.size == 1:
+        return Interval(mean, mean, mean, 1)
+    half = float(stats.t.ppf(0.5 + confidence / 2, values.size - 1) * values.std(ddof=1) / math.sqrt(values.size))
+    return Interval(mean, mean - half, mean + half, int(values.size))

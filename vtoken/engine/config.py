@@ -1,0 +1,72 @@
+"""One config object from which one place (`engine.runtime.build_runtime`) builds a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vtoken.errors import ConfigError
+from vtoken.engine.sim import SimProfile
+from vtoken.hardware import GpuSpec
+from vtoken.kv.reclaim import ReclaimConfig
+from vtoken.model_spec import ModelSpec
+from vtoken.policies import POLICIES
+from vtoken.policies.base import Budget
+
+VARIANTS = ("native", "naive-evict", "vtoken")
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Which tokens go: the policy, its budget, and when it runs.
+
+    A request runs the policy right after its prefill and then every `interval_tokens`
+    generated tokens, always on its state at that exact length, so every variant makes the
+    same decisions whatever its timing.
+    """
+
+    policy: str = "h2o"
+    budget: Budget = field(default_factory=lambda: Budget(keep_ratio=0.5))
+    interval_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy '{self.policy}'; choose one of: {', '.join(POLICIES)}")
+        if self.interval_tokens <= 0:
+            raise ConfigError(f"eviction interval must be > 0 tokens, got {self.interval_tokens}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    variant: str
+    model: ModelSpec
+    gpu: GpuSpec
+    num_blocks: int
+    block_size: int = 16
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
+    concurrency: int | None = 8  # closed loop with C clients; None = open loop by timestamps
+    max_num_seqs: int = 256  # most requests resident at once (vLLM's max_num_seqs)
+    max_fused_steps: int = 16  # the sim advances up to this many decode steps per iteration
+    admit_all_at_start: bool = False  # capacity frontier: every request resident from t = 0
+    seed: int = 0
+    sim: SimProfile = field(default_factory=SimProfile)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"unknown variant '{self.variant}'; choose one of: {', '.join(VARIANTS)}")
+        if self.block_size <= 0:
+            raise ConfigError(f"block size must be > 0 tokens, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise ConfigError(f"the KV budget must be > 0 blocks, got {self.num_blocks}")
+        if self.concurrency is not None and self.concurrency <= 0:
+            raise ConfigError(f"concurrency must be > 0, got {self.concurrency}")
+        if self.max_fused_steps <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("max_fused_steps and max_num_seqs must be > 0")
+
+    @property
+    def evicts(self) -> bool:
+        return self.variant != "native"
+
+    @property
+    def reclaims(self) -> bool:
+        return self.variant == "vtoken"

@@ -1,0 +1,313 @@
+"""The step loop that serves every variant and executor.
+
+    def step(self):
+        batch = self.schedule()                       # arrivals, admission, growth, preemption
+        duration_s = self.executor.run(...)           # the forward (or its cost)
+        self.postprocess(batch, duration_s)           # tokens, finishes, eviction, reclamation
+
+Eviction decisions are identical across variants: a request runs the policy right after its
+prefill and every `interval_tokens` generated tokens, on its state at that exact length (if an
+iteration fuses several decode steps, tokens past that length are hidden from the view). Only
+what happens to memory afterwards differs:
+
+    native       no eviction
+    naive-evict  dead tokens are skipped; a block is freed only when all its tokens are dead
+    vtoken       the same, plus the reclaimer packs live tokens so that whole blocks come free
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from vtoken.engine.config import RunConfig
+from vtoken.engine.scheduler import Batch, ReqState, Scheduler
+from vtoken.engine.sim import SimExecutor, StepLoad
+from vtoken.invariants import check_plan
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.reclaim import Reclaimer, RelocationPlan
+from vtoken.metrics import LatencyStats, Recorder, RunResult
+from vtoken.policies import make_policy
+from vtoken.policies.base import RequestView
+from vtoken.trace import Request
+
+
+class Runtime:
+    def __init__(
+        self,
+        config: RunConfig,
+        requests: Sequence[Request],
+        executor: SimExecutor,
+        copy_engine: CopyEngine | None = None,
+        observer: object | None = None,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, list(requests), config.concurrency, config.max_num_seqs, config.admit_all_at_start)
+        self.policy = make_policy(config.eviction.policy, seed=config.seed)
+        self.reclaimer = Reclaimer(config.reclaim, self.pool) if config.reclaims else None
+        self.copy_engine = copy_engine or CopyEngine(None, "sync")
+        self.observer = observer
+        self.recorder = Recorder(self.pool, config.model.kv_bytes_per_token)
+        self.now_s = 0.0
+        self.num_iterations = 0
+        self.num_decode_steps = 0
+        self._num_copied_tokens = 0
+        self._busy_req_ids: frozenset[int] = frozenset()
+
+    # ---- the spine ---------------------------------------------------------------------------
+
+    def run(self, on_progress: Callable[[int], None] | None = None) -> RunResult:
+        started = time.perf_counter()
+        num_done = 0
+        while self.scheduler.has_work():
+            self.step()
+            if on_progress is not None and self.recorder_completed() != num_done:
+                on_progress(self.recorder_completed() - num_done)
+                num_done = self.recorder_completed()
+        for plan in self.copy_engine.drain():
+            self._complete(plan)
+        return self._result(time.perf_counter() - started)
+
+    def step(self) -> None:
+        batch = self.schedule()
+        if batch is None:
+            return
+        duration_s = self.execute(batch)
+        self.postprocess(batch, duration_s)
+
+    def recorder_completed(self) -> int:
+        return len(self.recorder.latencies_s)
+
+    # ---- schedule ----------------------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        sched = self.scheduler
+        if not sched.running and not sched.waiting:
+            self.now_s = max(self.now_s, sched.next_arrival_s())
+        before = len(sched.waiting)
+        sched.collect_arrivals(self.now_s)
+        for state in list(sched.waiting)[before:]:
+            self.recorder.record_arrival(state.arrival_s)
+        admissible = self.pool.num_free_blocks
+        if self.reclaimer is not None and sched.running:
+            admissible = self.reclaimer.num_admissible_blocks()
+        decode = list(sched.running)
+        prefill = sched.admit(admissible, self.now_s)
+        for state in prefill:
+            self._observe("on_synced", state.table, 0)
+        num_steps = 1 if prefill else self._num_fusable_steps(decode)
+        num_steps = self._make_room(decode, num_steps)
+        decode = [s for s in decode if s.table is not None]
+        prefill = [s for s in prefill if s.table is not None]
+        if not decode and not prefill:
+            return None
+        return Batch(tuple(prefill), tuple(decode), num_steps)
+
+    def _num_fusable_steps(self, decode: list[ReqState]) -> int:
+        """Decode steps to advance at once: until the first finish, at most `max_fused_steps`
+        and one eviction interval, and not past the next open-loop arrival."""
+        limit = min(self.config.max_fused_steps, self.config.eviction.interval_tokens)
+        num_steps = min([limit] + [s.num_remaining for s in decode])
+        next_arrival_s = self.scheduler.next_arrival_s()
+        while num_steps > 1 and next_arrival_s is not None and self.now_s + self._decode_time_s(decode, num_steps) > next_arrival_s:
+            num_steps //= 2
+        return max(1, num_steps)
+
+    def _decode_time_s(self, decode: list[ReqState], num_steps: int) -> float:
+        load = StepLoad(num_steps, sum(s.table.num_live_tokens for s in decode), len(decode), 0, 0)
+        return self.executor.iteration_time_s(load)
+
+    def _make_room(self, decode: list[ReqState], num_steps: int) -> int:
+        """Shrink the fused steps, then preempt, until the batch's growth fits in the pool."""
+        sched = self.scheduler
+        while True:
+            growing = [s for s in decode if s.table is not None]
+            num_needed = sched.num_blocks_to_grow(growing, num_steps)
+            if num_needed <= self.pool.num_free_blocks:
+                return num_steps
+            if num_steps > 1:
+                num_steps = 1
+                continue
+            if len(sched.running) == 1:
+                state = sched.running[0]
+                self._leave(state)
+                sched.drop(state, f"does not fit in {self.pool.num_blocks} blocks even alone", self.now_s)
+                self.executor.forget(state.req_idx)
+                return num_steps
+            self._leave(sched.running[-1])
+            sched.preempt_last()
+
+    # ---- execute -----------------------------------------------------------------------------
+
+    def execute(self, batch: Batch) -> float:
+        self.copy_engine.wait_before_forward()
+        for plan in self.copy_engine.poll_completed():
+            self._complete(plan)
+        self._observe("on_forward", batch, self.copy_engine.in_flight_plans)
+        live_kv_tokens = sum(s.table.num_live_tokens for s in batch.decode)
+        if not self.config.evicts:
+            live_kv_tokens = sum(s.table.num_tokens for s in batch.decode)
+        load = StepLoad(
+            batch.num_decode_steps,
+            live_kv_tokens,
+            len(batch.decode),
+            sum(s.table.num_tokens for s in batch.prefill),
+            self._num_copied_tokens,
+        )
+        self._num_copied_tokens = 0
+        return self.executor.iteration_time_s(load)
+
+    # ---- postprocess -------------------------------------------------------------------------
+
+    def postprocess(self, batch: Batch, duration_s: float) -> None:
+        self.now_s += duration_s
+        self.num_iterations += 1
+        self.num_decode_steps += batch.num_decode_steps
+        for state in batch.decode:
+            self._grow(state, batch.num_decode_steps)
+        for state in batch.prefill:
+            state.num_generated += 1
+            if state.first_token_s is None:
+                state.first_token_s = self.now_s
+        for state in batch.prefill + batch.decode:
+            if state.num_remaining == 0:
+                self._finish(state)
+            elif self.config.evicts and state.num_generated >= state.next_eviction_at:
+                self._evict(state)
+        if self.reclaimer is not None and self.reclaimer.is_eligible(self.num_iterations):
+            self._reclaim()
+        self.recorder.sample(self.now_s, len(self.scheduler.running))
+
+    def _grow(self, state: ReqState, num_steps: int) -> None:
+        table = state.table
+        num_tokens_before = table.num_tokens
+        block_ids = self.pool.allocate(table.num_new_blocks_needed(num_steps))
+        table.sync_new_tokens(block_ids, table.num_tokens + num_steps)
+        state.num_generated += num_steps
+        self._observe("on_synced", table, num_tokens_before)
+
+    def _finish(self, state: ReqState) -> None:
+        self.recorder.record_finish(state.arrival_s, state.first_token_s, self.now_s, state.request.num_output_tokens)
+        self._leave(state)
+        self.scheduler.finish(state, self.now_s)
+        self.executor.forget(state.req_idx)
+
+    # ---- eviction ----------------------------------------------------------------------------
+
+    def _evict(self, state: ReqState) -> None:
+        """Run the policy on the request as it was at its eviction point, then mark victims dead."""
+        table = state.table
+        interval = self.config.eviction.interval_tokens
+        overshoot = state.num_generated - state.next_eviction_at
+        num_tokens = table.num_tokens - overshoot
+        state.next_eviction_at = (state.num_generated // interval + 1) * interval
+        view = self._view(state, num_tokens)
+        victims = self.policy.select_victims(view)
+        if victims.size == 0:
+            return
+        emptied = table.evict_tokens(victims)
+        self.recorder.tokens_evicted += int(victims.size)
+        if state.req_idx in self._busy_req_ids:
+            return  # blocks of a request with a copy in flight are released when it lands
+        table.release_blocks(emptied)
+        self.pool.free(emptied)
+
+    def _view(self, state: ReqState, num_tokens: int) -> RequestView:
+        table = state.table
+        budget = self.config.eviction.budget
+        live_ids = table.live_token_ids()
+        token_ids = live_ids[(live_ids >= table.num_pinned_tokens) & (live_ids < num_tokens)]
+        num_keep = max(0, budget.num_keep_tokens(num_tokens) - table.num_pinned_tokens)
+        scores = (None, None, None)
+        if self.policy.needs_attention:
+            scores = self.executor.attention_stats(state.req_idx, token_ids, num_tokens)
+        return RequestView(state.req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens, budget.num_recent_tokens, *scores)
+
+    # ---- reclamation -------------------------------------------------------------------------
+
+    def _reclaim(self) -> None:
+        tables = [s.table for s in self.scheduler.running]
+        busy = frozenset(p.req_id for p in self.copy_engine.in_flight_plans)
+        by_id = {t.req_id: t for t in tables}
+        for plan in self.reclaimer.plan(tables, busy):
+            table = by_id[plan.req_id]
+            check_plan(plan, table, self.pool, busy)
+            self._observe("on_plan", plan, table)
+            got = self.pool.allocate(plan.dst_new_block_ids.size)
+            assert np.array_equal(got, plan.dst_new_block_ids), "allocation diverged from the planned destinations"
+            table.adopt_blocks(got)
+            self.copy_engine.launch(plan)
+            self._num_copied_tokens += plan.num_tokens_moved
+            busy = busy | {plan.req_id}
+        self._busy_req_ids = busy
+        for plan in self.copy_engine.poll_completed():
+            self._complete(plan)
+
+    def _complete(self, plan: RelocationPlan) -> None:
+        """The copy landed: repoint the moved tokens and free every block left empty."""
+        self._busy_req_ids = self._busy_req_ids - {plan.req_id}
+        state = next((s for s in self.scheduler.running if s.req_idx == plan.req_id), None)
+        if state is None:  # finished or preempted while the copy was in flight
+            return
+        table = state.table
+        live_before = table.live_token_ids()
+        table.apply_moves(plan.moves)
+        held = np.asarray(table.block_ids_held[table.num_pinned_blocks :], dtype=np.int64)
+        emptied = held[self.pool.live_counts[held] == 0]
+        table.release_blocks(emptied)
+        self.pool.free(emptied)
+        self.recorder.tokens_moved += plan.num_tokens_moved
+        self.recorder.blocks_reclaimed += plan.num_blocks_freed
+        self.recorder.relocation_events += 1
+        self._observe("on_plan_completed", plan, table, live_before)
+
+    def _leave(self, state: ReqState) -> None:
+        """A request gives up its blocks: its copies in flight must not land anywhere."""
+        if state.req_idx in self._busy_req_ids:
+            self.copy_engine.cancel(state.req_idx)
+            self._busy_req_ids = self._busy_req_ids - {state.req_idx}
+
+    def _observe(self, event: str, *args) -> None:
+        if self.observer is not None:
+            getattr(self.observer, event)(*args)
+
+    # ---- result ------------------------------------------------------------------------------
+
+    def _result(self, host_time_s: float) -> RunResult:
+        rec = self.recorder
+        means, histogram = rec.means()
+        makespan_s = rec.makespan_s
+        return RunResult(
+            variant=self.config.variant,
+            policy=self.config.eviction.policy if self.config.evicts else "none",
+            num_requests=len(self.scheduler.requests),
+            num_completed=len(rec.latencies_s),
+            skipped=tuple(self.scheduler.skipped),
+            waste_ratio=float(means[0]),
+            frac_blocks_le_half=float(means[1]),
+            utilization_histogram=tuple(float(x) for x in histogram),
+            retained_blocks_per_request=float(means[2]),
+            peak_allocated_blocks=rec.peak_allocated_blocks,
+            memory_utilization=float(means[4]),
+            trapped_bytes=float(means[3]),
+            peak_trapped_bytes=rec.peak_trapped_bytes,
+            throughput_tok_s=rec.num_output_tokens / makespan_s if makespan_s > 0 else 0.0,
+            latency=LatencyStats.of(rec.latencies_s),
+            ttft=LatencyStats.of(rec.ttfts_s),
+            tpot=LatencyStats.of(rec.tpots_s),
+            makespan_s=makespan_s,
+            preemptions=self.scheduler.num_preemptions,
+            tokens_evicted=rec.tokens_evicted,
+            tokens_moved=rec.tokens_moved,
+            blocks_reclaimed=rec.blocks_reclaimed,
+            relocation_events=rec.relocation_events,
+            num_iterations=self.num_iterations,
+            num_decode_steps=self.num_decode_steps,
+            host_time_s=host_time_s,
+            timeline=rec.timeline(),
+        )

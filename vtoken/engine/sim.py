@@ -1,0 +1,168 @@
+"""The `sim` executor: a deterministic cost model for step time and a synthetic attention model.
+
+No model runs. A step's time is what a memory-bound decoder spends on a GPU from the catalog:
+
+    t_step = overhead_s
+           + (weight_bytes + live_kv_bytes_read) / (hbm_bytes_per_s * hbm_efficiency)
+           + prefill_flops / (bf16_flop_per_s * mfu)
+           + max(0, copy_s - copy_overlap_s)        # copy_s = relocation bytes / HBM rate
+
+Relocation copies run on a side stream after the forward; only the part that does not fit in
+the post-forward window (`copy_overlap_s`) shows up in the step time. With `sync_copy` the
+whole copy does (the forced-synchronous ablation).
+
+Synthetic attention (what H2O, Scissorhands and TOVA score). Each token j of request r has a
+heavy-tailed importance w_j ~ Pareto(alpha), seeded by (seed, r), plus a boost for the first
+`num_sink_tokens` (attention sinks). The attention a query at position q pays to key j decays
+with distance: a(q, j) = w_j * r(q - j), r(d) = (1 + d / tau)^-beta. From it, at logical length L:
+
+    attention_sum[j]    = w_j * sum_{d=0}^{L-1-j} r(d)        (H2O's accumulated attention)
+    attention_last[j]   = w_j * r(L - 1 - j)                  (TOVA's latest query)
+    importance_count[j] = #{q in [L-W, L) : a(q, j) >= theta}  (Scissorhands, window W)
+
+All three are pure functions of (seed, request, L), so every variant sees the same scores and
+makes the same eviction decisions.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from vtoken.errors import ConfigError
+from vtoken.hardware import GpuSpec
+from vtoken.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    """Every knob of the sim executor, with its default. Overridable from a TOML profile."""
+
+    hbm_efficiency: float = 0.80  # fraction of peak HBM bandwidth a decode step achieves
+    mfu: float = 0.50  # model FLOP utilization of prefill
+    overhead_s: float = 0.002  # fixed per-step cost: scheduling, launch, sampling
+    copy_overlap_s: float = 0.0005  # post-forward window that hides relocation copies
+    sync_copy: bool = False  # forced-synchronous copies: the whole copy is on the critical path
+    pareto_alpha: float = 1.5  # tail index of per-token importance (smaller = heavier hitters)
+    sink_boost: float = 50.0  # importance multiplier of the attention-sink tokens
+    num_sink_tokens: int = 4
+    recency_tau: float = 32.0  # distance scale of the recency decay, in tokens
+    recency_beta: float = 1.0  # exponent of the recency decay
+    importance_window: int = 64  # Scissorhands' history window W, in queries
+    importance_threshold: float = 0.05  # a(q, j) at or above this marks j important for q
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_efficiency", "mfu"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"sim profile: {name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("overhead_s", "copy_overlap_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"sim profile: {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("pareto_alpha", "recency_tau", "recency_beta", "importance_threshold"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"sim profile: {name} must be > 0, got {getattr(self, name)}")
+        if self.importance_window <= 0:
+            raise ConfigError(f"sim profile: importance_window must be > 0, got {self.importance_window}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_sim_profile(path: str | Path) -> SimProfile:
+    """Read a TOML profile whose keys are `SimProfile` fields (top level or under [sim])."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: sim profile not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = data.get("sim", data)
+    known = {f.name: f.type for f in fields(SimProfile)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{path}: unknown sim profile key '{unknown[0]}'; known keys: {', '.join(known)}")
+    try:
+        return replace(SimProfile(), **data)
+    except TypeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one engine iteration asks of the hardware."""
+
+    num_decode_steps: int  # fused decode steps in this iteration (>= 1)
+    num_live_kv_tokens: int  # live KV tokens read by attention at the first of those steps
+    num_decoding_requests: int  # each adds one live token per step
+    num_prefill_tokens: int  # prompt tokens computed in the first step
+    num_copied_tokens: int  # tokens relocated after this iteration's forward
+
+
+class SimExecutor:
+    """Deterministic step times and attention scores; no model, no tensors."""
+
+    name = "sim"
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, profile: SimProfile, seed: int) -> None:
+        self.model = model
+        self.gpu = gpu
+        self.profile = profile
+        self.seed = seed
+        self._kv_rate = gpu.hbm_bytes_per_s * profile.hbm_efficiency
+        self._weight_s = model.weight_bytes / self._kv_rate
+        self._importance: dict[int, np.ndarray] = {}
+
+    # ---- cost model ----------------------------------------------------------------------
+
+    def iteration_time_s(self, load: StepLoad) -> float:
+        k, n = load.num_decode_steps, load.num_decoding_requests
+        # live tokens grow by n per step: sum over k steps of (L0 + i*n)
+        kv_tokens_read = k * load.num_live_kv_tokens + n * k * (k - 1) // 2
+        memory_s = k * self._weight_s + kv_tokens_read * self.model.kv_bytes_per_token / self._kv_rate
+        prefill_s = 2.0 * self.model.num_params * load.num_prefill_tokens / (self.gpu.bf16_flop_per_s * self.profile.mfu)
+        return k * self.profile.overhead_s + memory_s + prefill_s + self.copy_time_s(load.num_copied_tokens)
+
+    def copy_time_s(self, num_copied_tokens: int) -> float:
+        """Critical-path time of relocating tokens: read + write of their K/V."""
+        copy_s = 2 * num_copied_tokens * self.model.kv_bytes_per_token / self._kv_rate
+        return copy_s if self.profile.sync_copy else max(0.0, copy_s - self.profile.copy_overlap_s)
+
+    # ---- synthetic attention ---------------------------------------------------------------
+
+    def importance(self, req_idx: int, num_tokens: int) -> np.ndarray:
+        """w_j for j < num_tokens: a fixed stream per request, extended as it grows."""
+        weights = self._importance.get(req_idx)
+        if weights is None or weights.size < num_tokens:
+            capacity = max(num_tokens, 2 * (weights.size if weights is not None else 256))
+            rng = np.random.default_rng([self.seed, req_idx])
+            weights = rng.pareto(self.profile.pareto_alpha, capacity) + 1.0
+            weights[: self.profile.num_sink_tokens] *= self.profile.sink_boost
+            self._importance[req_idx] = weights
+        return weights[:num_tokens]
+
+    def forget(self, req_idx: int) -> None:
+        self._importance.pop(req_idx, None)
+
+    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(attention_sum, attention_last, importance_count) of `token_ids` at length `num_tokens`."""
+        p = self.profile
+        w = self.importance(req_idx, num_tokens)[token_ids]
+        age = (num_tokens - 1 - token_ids).astype(np.float64)
+        attention_last = w * (1.0 + age / p.recency_tau) ** -p.recency_beta
+        attention_sum = w * _cumulative_recency(age, p.recency_tau, p.recency_beta)
+        # a(q, j) >= theta  <=>  q - j <= max_age_j ; count the window's queries within that age
+        max_age = np.floor(p.recency_tau * ((w / p.importance_threshold) ** (1.0 / p.recency_beta) - 1.0))
+        first_query = max(0, num_tokens - p.importance_window)
+        last_important = np.minimum(token_ids + max_age, num_tokens - 1)
+        importance_count = np.clip(last_important - np.maximum(token_ids, first_query) + 1, 0, p.importance_window)
+        return attention_sum, attention_last, importance_count.astype(np.int32)
+
+
+def _cumulative_recency(age: np.ndarray, tau: float, beta: float) -> np.ndarray:
+    """sum_{d=0}^{age} (1 + d/tau)^-beta, by the integral approximation plus the d=0 term."""
+    if beta == 1.0:
+        return 1.0 + tau * np.log1p(age / tau)
+    return 1.0 + tau * ((1.0 + age / tau) ** (1.0 - beta) - 1.0) / (1.0 - beta)
