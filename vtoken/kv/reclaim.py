@@ -13,8 +13,8 @@ holes of its earlier blocks; the emptied blocks are freed. No destination blocks
 Valid because cached keys already carry their rotary position and attention does not depend on
 the order of keys.
 
-    before:  [L . L L][L L . .][. L . L][L L L L ... tail]
-    after:   [L L L L][L L L L][. . . .][L L L L ... tail]   block 3 freed, 3 moves
+    before:  [L . L L][L L . .][. L . L][L L L . tail]
+    after:   [L L L L][L L L .][. . . .][L L L . tail]   the third block freed, 2 moves
 
 ordered (the paper's): the live tokens of up to B lowest-utilization blocks are copied in
 logical order into ceil(T/S) fresh blocks taken from the headroom, out of place.

@@ -122,6 +122,8 @@ class TokenTable:
                 f"request {self.req_id}: a shared prefix covers whole blocks, got "
                 f"{num_prefix_tokens} tokens for {block_ids.size} blocks of {self.block_size}"
             )
+        if num_prefix_tokens == 0:
+            return
         self.block_ids_held.extend(block_ids.tolist())
         self._place(block_ids, 0, num_prefix_tokens)
         self.num_pinned_tokens = num_prefix_tokens
@@ -130,6 +132,10 @@ class TokenTable:
         """Protect the first tokens (whole blocks) that other requests may later share."""
         if num_prefix_tokens % self.block_size or num_prefix_tokens > self.num_tokens:
             raise VTokenError(f"request {self.req_id}: cannot pin {num_prefix_tokens} tokens")
+        # a sharer counts every token of a pinned block as live (the pool counts them once)
+        if not np.all(self._live[:num_prefix_tokens]):
+            token_id = int(np.flatnonzero(~self._live[:num_prefix_tokens])[0])
+            raise VTokenError(f"request {self.req_id}: cannot pin {num_prefix_tokens} tokens, token {token_id} is evicted")
         self.num_pinned_tokens = num_prefix_tokens
 
     def sync_new_tokens(self, new_block_ids: np.ndarray, num_tokens: int) -> None:

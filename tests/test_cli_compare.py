@@ -1,0 +1,104 @@
+"""`vtoken compare` through typer's CliRunner: the --json contract, --output, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from vtoken.compare import CompareOptions, compare, report_to_json
+from vtoken.trace import load_trace
+from vtoken_cli.app import app
+from vtoken_cli.options import build_run_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "sample_traces" / "azure_conv_sample.csv"
+SMALL = ["--max-requests", "30", "--num-blocks", "600", "--concurrencies", "2,8", "--concurrency", "8"]
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["compare", *args])
+
+
+def test_json_equals_the_library_result():
+    result = invoke(str(SAMPLE), *SMALL, "--json")
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
+                              policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
+                              concurrency=8, seed=0, sim_profile=None)
+    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8)))
+    expected = json.loads(json.dumps(report_to_json(report)))
+    assert printed == expected
+    assert set(printed["variants"]) == {"native", "naive-evict", "vtoken"}
+    for key in ("waste_ratio", "frac_blocks_le_half", "utilization_histogram", "retained_blocks_per_request",
+                "memory_utilization", "trapped_bytes", "throughput_tok_s", "latency_p50_s", "latency_p95_s",
+                "latency_p99_s", "ttft_p95_s", "tpot_p95_s", "preemptions", "tokens_moved", "blocks_reclaimed"):
+        assert key in printed["variants"]["vtoken"]
+    assert set(printed["sla"]["c_sel"]) == {"native", "naive-evict", "vtoken"}
+    assert printed["frontier"]["max_feasible_concurrency"].keys() == {"native", "naive-evict", "vtoken"}
+    assert printed["variants"]["native"]["tokens_moved"] == 0
+
+
+def test_output_dir_has_json_csv_and_plots(tmp_path):
+    out = tmp_path / "run"
+    result = invoke(str(SAMPLE), *SMALL, "--output", str(out))
+    assert result.exit_code == 0, result.output
+    names = {p.name for p in out.iterdir()}
+    assert {"report.json", "variants.csv", "sweep.csv", "frontier.csv", "utilization_histograms.png", "sweep.png",
+            "frontier.png"} <= names
+    again = invoke(str(SAMPLE), *SMALL, "--output", str(out))
+    assert again.exit_code == 2 and "not empty" in again.output
+
+
+def test_table_output_mentions_every_section():
+    result = invoke(str(SAMPLE), *SMALL, "--explain")
+    assert result.exit_code == 0, result.output
+    for text in ("Memory", "Performance", "Concurrency sweep", "Capacity frontier", "Definitions", "block utilization"):
+        assert text in result.stdout
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["missing.jsonl"], "missing.jsonl"),
+        (["{sample}", "--policy", "lru"], "unknown policy 'lru'"),
+        (["{sample}", "--model", "gpt-9"], "gpt-9"),
+        (["{sample}", "--gpu", "tpu"], "tpu"),
+        (["{sample}", "--budget", "150%"], "budget"),
+        (["{sample}", "--reclaim-mode", "magic"], "unknown reclaim mode"),
+        (["{sample}", "--theta-f", "1.5"], "theta_F"),
+        (["{sample}", "--num-blocks", "0"], "--num-blocks"),
+        (["{sample}", "--executor", "tpu"], "unknown executor"),
+        (["{sample}", "--concurrencies", "1,x"], "--concurrencies"),
+        (["{bad}"], "line 2"),
+        (["{empty}"], "empty"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    bad = write(tmp_path, "bad.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 3}\n{"timestamp": 1, "input_length": -2\n')
+    empty = write(tmp_path, "empty.jsonl", "")
+    args = [a.format(sample=SAMPLE, bad=bad, empty=empty) for a in args]
+    result = invoke(*args, *SMALL[:2])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert result.output.strip().count("\n") == 0 or "Usage" in result.output
+
+
+def test_request_larger_than_the_budget_is_reported(tmp_path):
+    trace = write(tmp_path, "t.jsonl", '{"timestamp": 0, "input_length": 9000, "output_length": 3}\n'
+                                       '{"timestamp": 1, "input_length": 100, "output_length": 30}\n')
+    result = invoke(trace, "--num-blocks", "100", "--no-sweep", "--no-frontier", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["variants"]["native"]["num_skipped"] == 1

@@ -1,0 +1,430 @@
+"""TokenTable: placement across block boundaries, the slot cache, eviction, relocation
+(apply_moves, eviction while a copy is in flight), releasing blocks and the tail cursor, shared prefixes.
+
+Blocks hold S = 4 tokens so that every layout can be checked by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vtoken.errors import VTokenError
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.token_table import Moves, TokenTable
+
+S = 4
+
+
+def make_pool(num_blocks: int = 16) -> BlockPool:
+    return BlockPool(num_blocks, S)
+
+
+def grow(table: TokenTable, num_new_tokens: int) -> list[int]:
+    """The runtime's growth step: allocate what overflows the tail, then sync."""
+    block_ids = table.pool.allocate(table.num_new_blocks_needed(num_new_tokens))
+    table.sync_new_tokens(block_ids, table.num_tokens + num_new_tokens)
+    return block_ids.tolist()
+
+
+def make_table(pool: BlockPool, num_tokens: int, req_id: int = 0) -> TokenTable:
+    table = TokenTable(req_id, pool)
+    grow(table, num_tokens)
+    return table
+
+
+def evict(table: TokenTable, token_ids: list[int]) -> list[int]:
+    """The runtime's eviction step: evict, then release and free what came empty."""
+    emptied = table.evict_tokens(np.array(token_ids, dtype=np.int64))
+    table.release_blocks(emptied)
+    table.pool.free(emptied)
+    return emptied.tolist()
+
+
+def make_moves(rows: list[tuple[int, int, int, int, int]]) -> Moves:
+    """rows of (token_id, src_block, src_offset, dst_block, dst_offset)."""
+    columns = np.array(rows, dtype=np.int64).reshape(-1, 5).T
+    return Moves(*(column.copy() for column in columns))
+
+
+def state(table: TokenTable) -> tuple:
+    pool = table.pool
+    return (
+        table.block_ids.copy(), table.offsets.copy(), table.live.copy(), table.slots().copy(),
+        list(table.block_ids_held), table.tail_num_written, table.num_live_tokens, table.num_tokens,
+        table.num_pinned_tokens, pool.ref_counts.copy(), pool.live_counts.copy(), pool.num_free_blocks,
+        pool.num_live_tokens, pool.utilization_histogram(),
+    )
+
+
+def assert_unchanged(before: tuple, table: TokenTable) -> None:
+    for a, b in zip(before, state(table), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def brute_force_slots(table: TokenTable) -> list[int]:
+    return [int(table.block_ids[t]) * S + int(table.offsets[t]) for t in range(table.num_tokens) if table.live[t]]
+
+
+# ---- growth ------------------------------------------------------------------------------
+
+
+def test_sync_places_tokens_across_block_boundaries() -> None:
+    pool = make_pool()
+    t0 = TokenTable(0, pool)
+    assert grow(t0, 6) == [0, 1]
+    assert t0.block_ids.tolist() == [0, 0, 0, 0, 1, 1]
+    assert t0.offsets.tolist() == [0, 1, 2, 3, 0, 1]
+    assert t0.slots().tolist() == [0, 1, 2, 3, 4, 5]
+    assert t0.tail_num_written == 2
+    t1 = make_table(pool, 3, req_id=1)
+    assert t1.block_ids_held == [2]
+    assert t1.slots().tolist() == [8, 9, 10]
+    assert grow(t0, 5) == [3]
+    assert t0.block_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 3]
+    assert t0.offsets.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
+    assert t0.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14]
+    assert t0.block_ids_held == [0, 1, 3]
+    assert (t0.tail_num_written, t0.num_free_tail_slots()) == (3, 1)
+    assert pool.live_counts[:4].tolist() == [4, 4, 3, 3]
+    assert (t0.num_tokens, t0.num_live_tokens, pool.num_live_tokens) == (11, 11, 14)
+
+
+def test_one_token_at_a_time_fills_the_tail_before_opening_a_block() -> None:
+    pool = make_pool()
+    table = TokenTable(0, pool)
+    new_blocks = [grow(table, 1) for _ in range(9)]
+    assert new_blocks == [[0], [], [], [], [1], [], [], [], [2]]
+    assert table.slots().tolist() == list(range(9))
+    assert table.live_token_ids().tolist() == list(range(9))
+
+
+@pytest.mark.parametrize(("num_prompt_tokens", "num_new_tokens", "num_blocks"), [
+    (0, 0, 0), (0, 1, 1), (0, 4, 1), (0, 5, 2), (0, 9, 3),
+    (6, 0, 0), (6, 2, 0), (6, 3, 1), (6, 6, 1), (6, 7, 2),
+    (8, 1, 1),  # a full tail has no room
+])
+def test_num_new_blocks_needed(num_prompt_tokens: int, num_new_tokens: int, num_blocks: int) -> None:
+    table = make_table(make_pool(), num_prompt_tokens)
+    assert table.num_new_blocks_needed(num_new_tokens) == num_blocks
+
+
+def test_sync_with_the_wrong_number_of_blocks_or_a_shrinking_length_raises_and_changes_nothing() -> None:
+    pool = make_pool()
+    table = make_table(pool, 6)
+    before = state(table)
+    with pytest.raises(VTokenError, match="3 new tokens need 1 new blocks, got 0"):
+        table.sync_new_tokens(np.zeros(0, dtype=np.int64), 9)
+    with pytest.raises(VTokenError, match="1 new tokens need 0 new blocks, got 1"):
+        table.sync_new_tokens(np.array([7]), 7)
+    with pytest.raises(VTokenError, match="length went back from 6 to 5"):
+        table.sync_new_tokens(np.zeros(0, dtype=np.int64), 5)
+    assert_unchanged(before, table)
+
+
+def test_sync_of_no_new_tokens_changes_nothing() -> None:
+    table = make_table(make_pool(), 6)
+    version = table.layout_version
+    before = state(table)
+    table.sync_new_tokens(np.zeros(0, dtype=np.int64), 6)
+    assert_unchanged(before, table)
+    assert table.layout_version == version
+
+
+def test_slot_cache_is_appended_on_growth_and_rebuilt_once_after_eviction(monkeypatch) -> None:
+    table = make_table(make_pool(), 5)
+    assert table.slots().tolist() == [0, 1, 2, 3, 4]
+    rebuilds = []
+    original = table.live_token_ids
+    monkeypatch.setattr(table, "live_token_ids", lambda: rebuilds.append(1) or original())
+    grow(table, 4)
+    assert table.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert rebuilds == []  # appended, not rebuilt
+    table.evict_tokens(np.array([1, 6]))
+    assert table.slots().tolist() == [0, 2, 3, 4, 5, 7, 8]
+    assert table.slots().tolist() == [0, 2, 3, 4, 5, 7, 8]
+    assert len(rebuilds) == 1
+    grow(table, 2)
+    assert table.slots().tolist() == [0, 2, 3, 4, 5, 7, 8, 9, 10]
+    assert len(rebuilds) == 1
+
+
+def test_a_slots_result_taken_earlier_does_not_change_later() -> None:
+    table = make_table(make_pool(), 5)
+    earlier = table.slots()
+    grow(table, 3)
+    table.evict_tokens(np.array([0]))
+    assert earlier.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_table_state_is_numpy_arrays_not_python_objects_per_token() -> None:
+    pool = BlockPool(300, S)
+    table = make_table(pool, 1000)
+    table.evict_tokens(np.arange(10, 990, 3))
+    for array, dtype in ((table.block_ids, np.int64), (table.offsets, np.int64), (table.live, np.bool_), (table.slots(), np.int64)):
+        assert isinstance(array, np.ndarray)
+        assert array.dtype == dtype
+    assert table.block_ids.size == 1000
+    for name, value in vars(table).items():
+        if isinstance(value, (list, tuple, dict, set, frozenset)):
+            assert len(value) <= table.num_blocks, f"{name} grows with the number of tokens"
+
+
+# ---- eviction ----------------------------------------------------------------------------
+
+
+def test_evict_returns_the_blocks_it_emptied_and_updates_the_pool() -> None:
+    pool = make_pool()
+    table = make_table(pool, 10)  # blocks 0, 1, 2; block 2 holds tokens 8, 9
+    version = table.layout_version
+    assert table.evict_tokens(np.array([5, 4, 7, 6])).tolist() == [1]
+    assert table.layout_version == version + 1
+    assert pool.live_counts[:3].tolist() == [4, 0, 2]
+    assert table.evict_tokens(np.array([9])).tolist() == []
+    assert table.evict_tokens(np.array([0, 8])).tolist() == [2]
+    assert pool.live_counts[:3].tolist() == [3, 0, 0]
+    assert table.live_token_ids().tolist() == [1, 2, 3]
+    assert table.slots().tolist() == [1, 2, 3]
+    assert (table.num_live_tokens, pool.num_live_tokens) == (3, 3)
+    assert table.block_ids_held == [0, 1, 2]  # evict does not release
+    assert table.evict_tokens(np.zeros(0, dtype=np.int64)).tolist() == []
+
+
+@pytest.mark.parametrize(("token_ids", "message"), [
+    ([10], "cannot evict unknown token 10 .length 10."),
+    ([-1], "cannot evict unknown token -1"),
+    ([7, 6], "token 6 is already evicted"),
+    ([4, 1], "token 1 is in the shared prefix"),
+    ([5, 5], "repeated ids"),
+])
+def test_evict_of_a_bad_id_raises_and_changes_nothing(token_ids: list[int], message: str) -> None:
+    pool = make_pool()
+    table = make_table(pool, 10)
+    table.pin_prefix(4)
+    table.evict_tokens(np.array([6]))
+    before = state(table)
+    version = table.layout_version
+    with pytest.raises(VTokenError, match=message):
+        table.evict_tokens(np.array(token_ids))
+    assert_unchanged(before, table)
+    assert table.layout_version == version
+
+
+# ---- relocation --------------------------------------------------------------------------
+
+
+def holey_table() -> TokenTable:
+    """12 tokens in three full blocks; tokens 1 and 2 evicted.
+
+        block 0: [0 . . 3]  block 1: [4 5 6 7]  block 2 (full tail): [8 9 10 11]
+    """
+    pool = make_pool()
+    table = make_table(pool, 12)
+    table.evict_tokens(np.array([1, 2]))
+    return table
+
+
+def test_apply_moves_repoints_tokens_and_moves_live_counts() -> None:
+    table = holey_table()
+    version = table.layout_version
+    table.apply_moves(make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)]))
+    assert table.block_ids[8:10].tolist() == [0, 0]
+    assert table.offsets[8:10].tolist() == [1, 2]
+    assert table.pool.live_counts[:3].tolist() == [4, 4, 2]
+    assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 1, 2, 10, 11]
+    assert table.layout_version == version + 1
+    assert table.pool.num_live_tokens == 10
+
+
+def test_apply_moves_may_move_a_token_into_a_slot_another_moved_token_leaves() -> None:
+    table = holey_table()
+    table.apply_moves(make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 2, 0)]))
+    assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 1, 8, 10, 11]
+    assert table.pool.live_counts[:3].tolist() == [3, 4, 3]
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([(8, 2, 1, 0, 1)], "move of token 8 names a source it does not occupy"),
+    ([(8, 1, 0, 0, 1)], "move of token 8 names a source it does not occupy"),
+    ([(8, 2, 0, 0, 0)], "move onto occupied slot 0 .block 0, offset 0."),
+    ([(8, 2, 0, 1, 3)], "move onto occupied slot 7 .block 1, offset 3."),
+    ([(8, 2, 0, 0, 1), (9, 2, 1, 0, 1)], "move onto occupied slot"),
+    ([(8, 2, 0, 5, 0)], "move into block 5 it does not hold"),
+    ([(12, 2, 0, 0, 1)], "unknown or repeated tokens"),
+    ([(8, 2, 0, 0, 1), (8, 2, 0, 0, 2)], "unknown or repeated tokens"),
+])
+def test_apply_moves_rejects_a_bad_move_and_changes_nothing(rows, message: str) -> None:
+    table = holey_table()
+    table.pool.allocate(6)  # block 5 exists but is not the table's
+    before = state(table)
+    version = table.layout_version
+    with pytest.raises(VTokenError, match=message):
+        table.apply_moves(make_moves(rows))
+    assert_unchanged(before, table)
+    assert table.layout_version == version
+
+
+def test_a_token_evicted_while_its_copy_is_in_flight_is_repointed_without_count_changes() -> None:
+    table = holey_table()
+    moves = make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)])
+    table.evict_tokens(np.array([8]))
+    table.apply_moves(moves)
+    assert table.block_ids[8:10].tolist() == [0, 0]
+    assert table.pool.live_counts[:3].tolist() == [3, 4, 2]
+    assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 2, 10, 11]
+
+
+def test_adopt_blocks_puts_relocation_destinations_before_the_tail() -> None:
+    pool = make_pool()
+    table = make_table(pool, 10)  # blocks 0, 1, 2 (tail, 2 written)
+    table.adopt_blocks(pool.allocate(2))
+    assert table.block_ids_held == [0, 1, 3, 4, 2]
+    assert grow(table, 2) == []
+    assert table.slots().tolist()[-2:] == [10, 11]
+
+
+# ---- relocation in flight (the runtime's protocol) ---------------------------------------
+#
+# While a request has a copy in flight, the blocks `evict_tokens` reports empty are not
+# released: the copy may still fill them (destinations) or read them (sources). When the copy
+# completes, the runtime applies the moves and releases every held block left empty.
+
+
+def release_empty_blocks(table: TokenTable) -> list[int]:
+    held = np.asarray(table.block_ids_held[table.num_pinned_blocks :], dtype=np.int64)
+    emptied = held[table.pool.live_counts[held] == 0]
+    table.release_blocks(emptied)
+    table.pool.free(emptied)
+    return emptied.tolist()
+
+
+def test_a_block_reported_empty_during_a_copy_is_refilled_by_it() -> None:
+    table = holey_table()
+    moves = make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)])  # launched: block 0 is a destination
+    assert table.evict_tokens(np.array([0, 3])).tolist() == [0]
+    table.apply_moves(moves)
+    assert table.pool.live_counts[:3].tolist() == [2, 4, 2]
+    with pytest.raises(VTokenError, match="still hold live tokens"):
+        table.release_blocks(np.array([0]))
+
+
+def test_completion_releases_the_blocks_evictions_emptied_in_flight() -> None:
+    table = holey_table()
+    moves = make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)])
+    assert table.evict_tokens(np.array([0, 3, 8, 9])).tolist() == [0]
+    table.apply_moves(moves)
+    assert release_empty_blocks(table) == [0]
+    assert table.block_ids_held == [1, 2]
+    assert table.slots().tolist() == [4, 5, 6, 7, 10, 11]
+
+
+def test_a_tail_emptied_in_flight_is_released_at_completion_with_the_sources() -> None:
+    pool = make_pool()
+    table = make_table(pool, 14)  # blocks 0, 1, 2, 3 (tail: tokens 12, 13)
+    evict(table, [1, 2, 10, 11])
+    #   block 0: [0 . . 3]  block 1: [4 5 6 7]  block 2: [8 9 . .]  block 3: [12 13 . .]
+    moves = make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)])
+    assert table.evict_tokens(np.array([12, 13])).tolist() == [3]
+    table.apply_moves(moves)
+    assert release_empty_blocks(table) == [2, 3]
+    assert (table.block_ids_held, table.tail_num_written) == ([0, 1], S)
+    assert grow(table, 1) == [2]
+    assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 1, 2, 8]
+
+
+# ---- releasing blocks and the tail cursor ------------------------------------------------
+
+
+def test_releasing_the_tail_moves_the_cursor_after_the_last_live_token_of_the_new_tail() -> None:
+    pool = make_pool()
+    table = make_table(pool, 10)  # blocks 0, 1, 2 (tail: tokens 8, 9)
+    assert evict(table, [6, 7]) == []
+    assert evict(table, [8, 9]) == [2]
+    assert table.block_ids_held == [0, 1]
+    assert table.tail_num_written == 2  # token 5 sits at offset 1 of block 1
+    assert grow(table, 3) == [2]
+    assert table.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert table.block_ids[10:13].tolist() == [1, 1, 2]
+
+
+def test_releasing_every_block_resets_the_cursor() -> None:
+    pool = make_pool()
+    table = make_table(pool, 3)
+    assert evict(table, [0, 1, 2]) == [0]
+    assert (table.block_ids_held, table.tail_num_written, table.num_free_tail_slots()) == ([], 0, 0)
+    assert grow(table, 1) == [0]
+    assert table.slots().tolist() == [0]
+
+
+def test_release_blocks_of_a_block_not_held_or_still_live_raises_and_changes_nothing() -> None:
+    pool = make_pool()
+    table = make_table(pool, 10)
+    make_table(pool, 2, req_id=1)  # holds block 3
+    before = state(table)
+    with pytest.raises(VTokenError, match=r"releasing blocks it does not hold \[3\]"):
+        table.release_blocks(np.array([0, 3]))
+    with pytest.raises(VTokenError, match="still hold live tokens"):
+        table.release_blocks(np.array([1]))
+    assert_unchanged(before, table)
+
+
+def test_release_all_returns_every_block_and_leaves_nothing_live() -> None:
+    pool = make_pool()
+    table = make_table(pool, 10)
+    assert table.release_all() == [0, 1, 2]
+    assert table.block_ids_held == []
+    assert table.num_live_tokens == 0
+    assert table.slots().tolist() == []
+    pool.free(np.array([0, 1, 2]))
+    assert pool.num_free_blocks == 16
+
+
+# ---- shared prefixes ---------------------------------------------------------------------
+
+
+def test_a_shared_prefix_maps_onto_the_owners_blocks_and_is_counted_once() -> None:
+    pool = make_pool()
+    owner = make_table(pool, 10)  # blocks 0, 1 full, 2 holds tokens 8, 9
+    owner.pin_prefix(8)
+    sharer = TokenTable(1, pool)
+    pool.share(np.array([0, 1]))
+    sharer.attach_shared_prefix(np.array([0, 1]), 8)
+    assert grow(sharer, 3) == [3]
+    assert sharer.block_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 3]
+    assert sharer.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14]
+    assert (sharer.num_pinned_tokens, sharer.num_pinned_blocks) == (8, 2)
+    assert pool.ref_counts[:4].tolist() == [2, 2, 1, 1]
+    assert pool.live_counts[:4].tolist() == [4, 4, 2, 3]
+    assert pool.num_live_tokens == 13
+    for table in (owner, sharer):
+        with pytest.raises(VTokenError, match="token 7 is in the shared prefix"):
+            table.evict_tokens(np.array([7]))
+    pool.free(np.array(owner.release_all()))
+    assert pool.ref_counts[:4].tolist() == [1, 1, 0, 1]
+    assert pool.live_counts[:4].tolist() == [4, 4, 0, 3]
+    pool.free(np.array(sharer.release_all()))
+    assert pool.num_free_blocks == 16 and pool.num_live_tokens == 0
+
+
+def test_shared_prefix_and_pin_errors() -> None:
+    pool = make_pool()
+    owner = make_table(pool, 10)
+    for bad_pin, message in ((6, "cannot pin 6 tokens"), (12, "cannot pin 12 tokens")):
+        with pytest.raises(VTokenError, match=message):
+            owner.pin_prefix(bad_pin)
+    owner.evict_tokens(np.array([5]))
+    with pytest.raises(VTokenError, match="cannot pin 8 tokens, token 5 is evicted"):
+        owner.pin_prefix(8)
+    assert owner.num_pinned_tokens == 0
+    with pytest.raises(VTokenError, match="a shared prefix must come before any token"):
+        owner.attach_shared_prefix(np.array([0]), 4)
+    sharer = TokenTable(1, pool)
+    with pytest.raises(VTokenError, match="got 7 tokens for 2 blocks of 4"):
+        sharer.attach_shared_prefix(np.array([0, 1]), 7)
+    assert (sharer.num_tokens, sharer.block_ids_held) == (0, [])
+
+
+def test_an_empty_shared_prefix_is_a_no_op() -> None:
+    table = TokenTable(0, make_pool())
+    table.attach_shared_prefix(np.zeros(0, dtype=np.int64), 0)
+    assert (table.num_tokens, table.num_pinned_tokens, table.block_ids_held) == (0, 0, [])
+    assert grow(table, 2) == [0]

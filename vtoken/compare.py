@@ -1,0 +1,141 @@
+"""`vtoken compare` as one library call: the three variants, the sweep, the SLA rule, the
+frontier and repeats over seeds, returned as one plain record."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, interval,
+                             run_variants, sla_selection, sweep)
+from vtoken.engine import VARIANTS, RunConfig
+from vtoken.errors import ConfigError
+from vtoken.metrics import RunResult
+from vtoken.trace import Trace
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    concurrencies: tuple[int, ...]
+    sla_metric: str = "e2e"
+    sla_factor: float = 1.05
+    reference_concurrency: int = 8
+    repeats: int = 1
+    with_sweep: bool = True
+    with_frontier: bool = True
+
+    def __post_init__(self) -> None:
+        if self.repeats <= 0:
+            raise ConfigError(f"--repeats must be > 0, got {self.repeats}")
+        if not self.concurrencies or min(self.concurrencies) <= 0:
+            raise ConfigError(f"concurrencies must be positive integers, got {list(self.concurrencies)}")
+        if self.sla_factor <= 0:
+            raise ConfigError(f"the SLA factor must be > 0, got {self.sla_factor}")
+
+    @property
+    def sweep_concurrencies(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.concurrencies) | {self.reference_concurrency}))
+
+
+@dataclass(frozen=True)
+class CompareReport:
+    trace: Trace
+    config: RunConfig
+    options: CompareOptions
+    runs: dict[str, RunResult]  # seed `config.seed`
+    headline_ci: dict[str, dict[str, Interval]]  # variant -> figure -> mean and 95% CI over repeats
+    sweep: tuple[SweepPoint, ...]
+    sla: SlaResult | None
+    frontier: Frontier | None
+
+
+def compare(trace: Trace, config: RunConfig, options: CompareOptions, progress: Progress | None = None) -> CompareReport:
+    requests = trace.requests
+    repeats = [run_variants(replace(config, seed=config.seed + i), requests, VARIANTS, progress) for i in range(options.repeats)]
+    headline_ci = {
+        variant: {key: interval([r[variant].headline()[key] for r in repeats]) for key in repeats[0][variant].headline()}
+        for variant in VARIANTS
+    }
+    points: list[SweepPoint] = []
+    sla = None
+    if options.with_sweep:
+        points = sweep(config, requests, options.sweep_concurrencies, VARIANTS, options.sla_metric, progress)
+        sla = sla_selection(points, options.sla_metric, options.sla_factor, options.reference_concurrency)
+    frontier_result = frontier(config, requests, options.concurrencies, VARIANTS, progress) if options.with_frontier else None
+    return CompareReport(trace, config, options, repeats[0], headline_ci, tuple(points), sla, frontier_result)
+
+
+def num_progress_units(trace: Trace, options: CompareOptions) -> int:
+    """Progress units `compare` reports: completed requests, sweep points, frontier points."""
+    units = options.repeats * len(VARIANTS) * len(trace.requests)
+    if options.with_sweep:
+        units += len(options.sweep_concurrencies) * len(VARIANTS)
+    if options.with_frontier:
+        units += len(options.concurrencies) * len(VARIANTS)
+    return units
+
+
+def report_to_json(report: CompareReport) -> dict:
+    """The `--json` object: variants, sweep, sla, frontier, and what the run was."""
+    cfg = report.config
+    variants = {}
+    for name, result in report.runs.items():
+        entry = {k: _num(v) for k, v in result.headline().items()}
+        entry["utilization_histogram"] = list(result.utilization_histogram)
+        entry["preemptions"] = result.preemptions
+        entry["tokens_moved"] = result.tokens_moved
+        entry["blocks_reclaimed"] = result.blocks_reclaimed
+        entry.update(relocation_events=result.relocation_events, tokens_evicted=result.tokens_evicted,
+                     peak_allocated_blocks=result.peak_allocated_blocks, num_completed=result.num_completed,
+                     num_skipped=len(result.skipped), makespan_s=_num(result.makespan_s),
+                     ttft_p50_s=_num(result.ttft.p50_s), tpot_p50_s=_num(result.tpot.p50_s))
+        if report.options.repeats > 1:
+            entry["ci95"] = {k: [_num(i.low), _num(i.high)] for k, i in report.headline_ci[name].items()}
+        variants[name] = entry
+    out = {
+        "trace": {"source": report.trace.source, "format": report.trace.format, "num_requests": len(report.trace.requests),
+                  "notes": list(report.trace.notes)},
+        "config": {
+            "model": cfg.model.name, "kv_bytes_per_token": cfg.model.kv_bytes_per_token, "gpu": cfg.gpu.name,
+            "block_size": cfg.block_size, "num_blocks": cfg.num_blocks, "concurrency": cfg.concurrency,
+            "policy": cfg.eviction.policy, "budget": cfg.eviction.budget.describe(),
+            "eviction_interval_tokens": cfg.eviction.interval_tokens, "reclaim": asdict(cfg.reclaim),
+            "seed": cfg.seed, "repeats": report.options.repeats, "sim_profile": cfg.sim.as_dict(),
+            "percentile_method": "linear",
+        },
+        "variants": variants,
+        "sweep": [asdict(p) for p in report.sweep],
+        "sla": None,
+        "frontier": None,
+    }
+    if report.sla is not None:
+        out["sla"] = {"metric": report.sla.metric, "factor": report.sla.factor,
+                      "reference_concurrency": report.sla.reference_concurrency,
+                      "threshold_s": report.sla.threshold_s, "c_sel": report.sla.c_sel}
+    if report.frontier is not None:
+        fr = report.frontier
+        out["frontier"] = {
+            "budget_blocks": fr.budget_blocks,
+            "max_feasible_concurrency": fr.max_feasible_concurrency,
+            "ideal_max_concurrency": fr.ideal_max_concurrency,
+            "block_demand": [asdict(p) for p in fr.points],
+        }
+    return _clean(out)
+
+
+def _num(value: float) -> float | None:
+    return None if value is None or (isinstance(value, float) and np.isnan(value)) else float(value)
+
+
+def _clean(obj):
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return None if np.isnan(obj) else float(obj)
+    return obj

@@ -1,0 +1,64 @@
+"""The `vtoken` command: audit, compare and check-invariants.
+
+Each command parses options, builds a config, calls one library function and renders what it
+returns. `command` below is the single place where a `VTokenError` becomes a one-line message
+on stderr and exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import typer
+from rich.console import Console
+
+from vtoken.errors import VTokenError
+
+app = typer.Typer(
+    name="vtoken",
+    help="Measure the KV memory that token-level eviction traps in paged KV caches, and what vToken recovers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+@app.callback()
+def _root() -> None:
+    """vtoken: token-level KV eviction diagnostics for paged KV caches (vLLM and similar engines)."""
+
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+
+
+def command(name: str) -> Callable:
+    """Register a command whose `VTokenError`s end as one red line and exit code 2."""
+
+    def decorate(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            try:
+                return func(*args, **kwargs)
+            except VTokenError as exc:
+                stderr.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+                raise typer.Exit(2) from None
+
+        return app.command(name)(wrapper)
+
+    return decorate
+
+
+def main() -> None:
+    app()
+
+
+from vtoken_cli import cmd_compare  # noqa: E402,F401  (each module registers its command)
+
+for _name in ("cmd_audit", "cmd_check"):
+    try:
+        __import__(f"vtoken_cli.{_name}")
+    except ModuleNotFoundError as _exc:
+        if _exc.name != f"vtoken_cli.{_name}":
+            raise

@@ -1,0 +1,152 @@
+"""rich renderables for the reports. Renders what the library computed; computes no metric."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from vtoken.compare import CompareReport
+
+GiB = 2**30
+BAR_WIDTH = 24
+BIN_LABELS = [f"{10 * i:>3}-{10 * (i + 1)}%" for i in range(10)]
+
+DEFINITIONS = (
+    ("F (waste ratio)", "1 - live tokens / (allocated blocks x S), time-weighted (Eq. 1)"),
+    ("<=50% blocks", "fraction of allocated blocks with at most half of their slots live"),
+    ("blocks/req", "allocated blocks per resident request, time-weighted"),
+    ("mem util", "live tokens / allocated token capacity (1 - F)"),
+    ("trapped", "(allocated capacity - live tokens) x KV bytes per token, time-weighted mean"),
+    ("throughput", "output tokens / makespan (first arrival to last completion)"),
+    ("p50/p95/p99", "per-request end-to-end latency; numpy 'linear' percentiles"),
+    ("TTFT / TPOT", "arrival to first token / (end - first token) / (output tokens - 1)"),
+    ("SLA", "factor x Naive-Evict p95 at C_ref; C_sel = highest-throughput C within it"),
+    ("frontier", "C requests resident at t=0; feasible when peak block demand <= budget"),
+)
+
+
+def histogram(values: Sequence[float], title: str) -> Table:
+    """A 10-bin utilization histogram drawn with unicode bars (values are fractions)."""
+    table = Table(title=title, show_header=False, box=None, pad_edge=False)
+    peak = max(max(values), 1e-12)
+    for label, value in zip(BIN_LABELS, values):
+        filled = value / peak * BAR_WIDTH
+        bar = "█" * int(filled) + ("▌" if filled - int(filled) >= 0.5 else "")
+        table.add_row(label, Text(bar.ljust(BAR_WIDTH), style="cyan"), f"{100 * value:5.1f}%")
+    return table
+
+
+def histograms_side_by_side(report: CompareReport) -> Table:
+    grid = Table.grid(padding=(0, 3))
+    runs = report.runs
+    grid.add_row(*(histogram(r.utilization_histogram, f"{name}: block utilization") for name, r in runs.items()))
+    return grid
+
+
+def summary_tables(report: CompareReport) -> Group:
+    memory = Table(title="Memory (same trace, same eviction decisions)", title_justify="left")
+    for column in ("variant", "F", "<=50% blocks", "blocks/req", "peak blocks", "mem util", "trapped GiB", "moved", "reclaimed"):
+        memory.add_column(column, justify="left" if column == "variant" else "right")
+    speed = Table(title="Performance", title_justify="left")
+    for column in ("variant", "tok/s", "p50 s", "p95 s", "p99 s", "TTFT p95 s", "TPOT p95 ms", "preempted"):
+        speed.add_column(column, justify="left" if column == "variant" else "right")
+    for name, r in report.runs.items():
+        memory.add_row(
+            name, f"{r.waste_ratio:.3f}", f"{100 * r.frac_blocks_le_half:.1f}%", f"{r.retained_blocks_per_request:.1f}",
+            str(r.peak_allocated_blocks), f"{100 * r.memory_utilization:.1f}%", f"{r.trapped_bytes / GiB:.2f}",
+            str(r.tokens_moved), str(r.blocks_reclaimed),
+        )
+        speed.add_row(
+            name, _with_ci(report, name, "throughput_tok_s", "{:.0f}"), f"{r.latency.p50_s:.2f}",
+            _with_ci(report, name, "latency_p95_s", "{:.2f}"), f"{r.latency.p99_s:.2f}", f"{r.ttft.p95_s:.3f}",
+            f"{1000 * r.tpot.p95_s:.1f}", str(r.preemptions),
+        )
+    return Group(memory, speed)
+
+
+def _with_ci(report: CompareReport, variant: str, key: str, fmt: str) -> str:
+    ci = report.headline_ci[variant][key]
+    text = fmt.format(report.runs[variant].headline()[key])
+    if report.options.repeats > 1:
+        text += " ±" + fmt.format((ci.high - ci.low) / 2)
+    return text
+
+
+def sweep_table(report: CompareReport) -> Table | Text:
+    if report.sla is None:
+        return Text("sweep skipped (--no-sweep)")
+    sla = report.sla
+    title = (f"Concurrency sweep: SLA = {sla.factor} x naive-evict p95 {sla.metric} at C={sla.reference_concurrency}"
+             f" = {sla.threshold_s:.2f} s   (* = C_sel, ✗ = over SLA)")
+    table = Table(title=title, title_justify="left")
+    table.add_column("C", justify="right")
+    variants = list(dict.fromkeys(p.variant for p in report.sweep))
+    for variant in variants:
+        table.add_column(f"{variant} tok/s", justify="right")
+        table.add_column(f"p95 s", justify="right")
+    for c in sorted({p.concurrency for p in report.sweep}):
+        row = [str(c)]
+        for variant in variants:
+            p = next(p for p in report.sweep if p.variant == variant and p.concurrency == c)
+            star = " *" if sla.c_sel.get(variant) == c else ""
+            over = " ✗" if p.p95_s > sla.threshold_s else ""
+            row += [f"{p.throughput_tok_s:.0f}{star}", f"{p.p95_s:.2f}{over}"]
+        table.add_row(*row)
+    return table
+
+
+def frontier_table(report: CompareReport) -> Table | Text:
+    fr = report.frontier
+    if fr is None:
+        return Text("frontier skipped (--no-frontier)")
+    title = (f"Capacity frontier: budget {fr.budget_blocks} blocks; max feasible C: "
+             + ", ".join(f"{v} {c}" for v, c in fr.max_feasible_concurrency.items())
+             + f"; ideal packing {fr.ideal_max_concurrency}")
+    table = Table(title=title, title_justify="left")
+    table.add_column("C", justify="right")
+    variants = list(fr.max_feasible_concurrency)
+    for variant in variants:
+        table.add_column(f"{variant} demand/budget", justify="right")
+    for c in sorted({p.concurrency for p in fr.points}):
+        row = [str(c)]
+        for variant in variants:
+            p = next(p for p in fr.points if p.variant == variant and p.concurrency == c)
+            row.append(Text(f"{p.normalized_demand:.2f}", style="green" if p.is_feasible else "red"))
+        table.add_row(*row)
+    return table
+
+
+def header_panel(report: CompareReport) -> Panel:
+    cfg = report.config
+    lines = [
+        f"trace {report.trace.source} ({report.trace.format}, {len(report.trace.requests)} requests)",
+        f"model {cfg.model.name} ({cfg.model.kv_bytes_per_token} KV bytes/token) on {cfg.gpu.name}; "
+        f"{cfg.num_blocks} blocks of {cfg.block_size} tokens",
+        f"policy {cfg.eviction.policy}, {cfg.eviction.budget.describe()}, every {cfg.eviction.interval_tokens} tokens; "
+        f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}); closed loop C={cfg.concurrency}; seed {cfg.seed}"
+        + (f", {report.options.repeats} repeats (95% CI)" if report.options.repeats > 1 else ""),
+    ]
+    lines += [f"note: {n}" for n in report.trace.notes]
+    skipped = {name: len(r.skipped) for name, r in report.runs.items() if r.skipped}
+    if skipped:
+        lines.append("skipped requests (do not fit the budget): " + ", ".join(f"{v} {n}" for v, n in skipped.items()))
+    return Panel("\n".join(lines), title="vtoken compare (sim executor)", title_align="left")
+
+
+def definitions_table() -> Table:
+    table = Table(title="Definitions", title_justify="left", show_header=False, box=None)
+    for name, text in DEFINITIONS:
+        table.add_row(Text(name, style="bold"), text)
+    return table
+
+
+def compare_report(report: CompareReport, explain: bool) -> Group:
+    parts = [header_panel(report), summary_tables(report), histograms_side_by_side(report), sweep_table(report),
+             frontier_table(report)]
+    if explain:
+        parts.append(definitions_table())
+    return Group(*parts)
