@@ -106,12 +106,15 @@ class Runtime:
         prefill = [s for s in prefill if s.table is not None]
         if not decode and not prefill:
             return None
-        return Batch(tuple(prefill), tuple(decode), num_steps)
+        batch = Batch(tuple(prefill), tuple(decode), num_steps, self._live_kv_tokens(decode))
+        for state in decode:
+            self._grow(state, num_steps)
+        return batch
 
     def _num_fusable_steps(self, decode: list[ReqState]) -> int:
         """Decode steps to advance at once: until the first finish, at most `max_fused_steps`
         and one eviction interval, and not past the next open-loop arrival."""
-        limit = min(self.config.max_fused_steps, self.config.eviction.interval_tokens)
+        limit = min(self.config.max_fused_steps, self.executor.max_fused_steps, self.config.eviction.interval_tokens)
         num_steps = min([limit] + [s.num_remaining for s in decode])
         next_arrival_s = self.scheduler.next_arrival_s()
         while num_steps > 1 and next_arrival_s is not None and self.now_s + self._decode_time_s(decode, num_steps) > next_arrival_s:
@@ -144,23 +147,25 @@ class Runtime:
 
     # ---- execute -----------------------------------------------------------------------------
 
+    def _live_kv_tokens(self, decode: list[ReqState]) -> int:
+        """KV tokens attention reads at the first decode step (before this iteration's growth)."""
+        return sum(s.table.num_live_tokens for s in decode)
+
     def execute(self, batch: Batch) -> float:
+        """The forward: the executor runs (or costs) it after every in-flight copy it needs."""
         self.copy_engine.wait_before_forward()
         for plan in self.copy_engine.poll_completed():
             self._complete(plan)
         self._observe("on_forward", batch, self.copy_engine.in_flight_plans)
-        live_kv_tokens = sum(s.table.num_live_tokens for s in batch.decode)
-        if not self.config.evicts:
-            live_kv_tokens = sum(s.table.num_tokens for s in batch.decode)
         load = StepLoad(
             batch.num_decode_steps,
-            live_kv_tokens,
+            batch.num_live_kv_tokens,
             len(batch.decode),
             sum(s.table.num_tokens for s in batch.prefill),
             self._num_copied_tokens,
         )
         self._num_copied_tokens = 0
-        return self.executor.iteration_time_s(load)
+        return self.executor.execute(batch, load)
 
     # ---- postprocess -------------------------------------------------------------------------
 
@@ -169,7 +174,7 @@ class Runtime:
         self.num_iterations += 1
         self.num_decode_steps += batch.num_decode_steps
         for state in batch.decode:
-            self._grow(state, batch.num_decode_steps)
+            state.num_generated += batch.num_decode_steps
         for state in batch.prefill:
             state.num_generated += 1
             if state.first_token_s is None:
@@ -184,11 +189,11 @@ class Runtime:
         self.recorder.sample(self.now_s, len(self.scheduler.running))
 
     def _grow(self, state: ReqState, num_steps: int) -> None:
+        """Place the KV of the next `num_steps` tokens (written by the coming forward)."""
         table = state.table
         num_tokens_before = table.num_tokens
         block_ids = self.pool.allocate(table.num_new_blocks_needed(num_steps))
         table.sync_new_tokens(block_ids, table.num_tokens + num_steps)
-        state.num_generated += num_steps
         self._observe("on_synced", table, num_tokens_before)
 
     def _finish(self, state: ReqState) -> None:

@@ -47,6 +47,7 @@ class Batch:
     prefill: tuple[ReqState, ...]
     decode: tuple[ReqState, ...]
     num_decode_steps: int
+    num_live_kv_tokens: int  # live KV tokens of the decodes before this iteration's tokens
 
 
 @dataclass

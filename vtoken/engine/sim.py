@@ -105,6 +105,7 @@ class SimExecutor:
     """Deterministic step times and attention scores; no model, no tensors."""
 
     name = "sim"
+    max_fused_steps = 1 << 30  # a cost model can advance any number of steps at once
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, profile: SimProfile, seed: int) -> None:
         self.model = model
@@ -116,6 +117,10 @@ class SimExecutor:
         self._importance: dict[int, np.ndarray] = {}
 
     # ---- cost model ----------------------------------------------------------------------
+
+    def execute(self, batch, load: StepLoad) -> float:
+        """The iteration's duration from the cost model; nothing runs."""
+        return self.iteration_time_s(load)
 
     def iteration_time_s(self, load: StepLoad) -> float:
         k, n = load.num_decode_steps, load.num_decoding_requests
