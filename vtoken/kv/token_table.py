@@ -310,6 +310,7 @@ class TokenTable:
         self.block_ids_held = []
         self._live[: self.num_tokens] = False
         self.num_live_tokens = 0
+        self.num_pinned_tokens = 0  # nothing held, nothing pinned
         self.tail_num_written = 0
         self._slots = None
         self.layout_version += 1

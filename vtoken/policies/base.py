@@ -149,9 +149,17 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     unprotected positions breaks equal scores toward the older token.
     """
     candidate_idx = np.flatnonzero(~protected_mask(view))
-    order = np.argsort(scores[candidate_idx], kind="stable")
-    victim_idx = candidate_idx[order[: num_victims(view)]]
-    return np.sort(view.token_ids[victim_idx]).astype(np.int64, copy=False)
+    num_evict = num_victims(view)
+    if num_evict == 0:
+        return np.zeros(0, dtype=np.int64)
+    candidate_scores = scores[candidate_idx]
+    # O(n) selection instead of a full sort: everything strictly below the k-th smallest score,
+    # then as many of the ties at that score as still fit, oldest first (candidates ascend).
+    kth_score = np.partition(candidate_scores, num_evict - 1)[num_evict - 1]
+    below = candidate_scores < kth_score
+    tied_idx = np.flatnonzero(candidate_scores == kth_score)[: num_evict - int(np.count_nonzero(below))]
+    below[tied_idx] = True
+    return view.token_ids[candidate_idx[below]].astype(np.int64, copy=False)
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:

@@ -1,0 +1,214 @@
+"""A hypothesis state machine over the whole substrate: block pool, several token tables (some
+sharing a pinned prefix), the reclaimer in both modes, and the copy engine over a materialized
+KV tensor, with copies left in flight across rules (deferred mode).
+
+Every token's K/V is a function of (request, token id), written when the token is synced, so
+after every rule the machine can read each live token through its slot and compare (I1). The
+runtime's protocol is followed: a request with a copy in flight does not release the blocks
+its evictions empty; when the copy completes, the moves are applied and every block the request
+holds without a live token is released. Finishing a request with a copy in flight cancels it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vtoken.invariants import check_contents, check_conservation, check_plan, check_unique_mapping, check_visibility
+from vtoken.kv.block_pool import NUM_HISTOGRAM_BINS, BlockPool
+from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.kv_cache import KVShape, PagedKVCache
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
+from vtoken.kv.token_table import TokenTable
+
+S = 4
+NUM_BLOCKS = 48
+MAX_REQUESTS = 4
+SHAPE = KVShape(num_layers=1, num_blocks=NUM_BLOCKS, block_size=S, num_kv_heads=1, head_dim=2)
+
+
+def token_kv(req_id: int, token_ids: np.ndarray) -> torch.Tensor:
+    """[1, 2, n, 1, 2]: K and V of each token, distinct for every (request, token, k/v, dim)."""
+    base = torch.as_tensor(np.asarray(token_ids), dtype=torch.float64) * 10 + req_id * 100_000
+    within = torch.arange(4, dtype=torch.float64).view(1, 2, 1, 1, 2)
+    return within + base.view(1, 1, -1, 1, 1)
+
+
+class SubstrateMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, S)
+        self.kv_cache = PagedKVCache(SHAPE, dtype=torch.float64)
+        self.engine = CopyEngine(self.kv_cache, "deferred")
+        self.tables: dict[int, TokenTable] = {}
+        self.prefix_of: dict[int, tuple[int, int]] = {}  # sharer -> (owner, num prefix tokens)
+        self.prefix_owners: list[int] = []
+        self.next_req_id = 0
+        self.num_plans_launched = 0
+
+    @initialize(copy_mode=st.sampled_from(["deferred", "deferred", "sync"]),
+                num_prompt_tokens=st.lists(st.integers(4, 40), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+    def start(self, copy_mode: str, num_prompt_tokens: list[int], seed: int) -> None:
+        """A copy mode, and a few fragmented requests from the start so that short runs reclaim too."""
+        self.engine = CopyEngine(self.kv_cache, copy_mode)
+        for num_tokens in num_prompt_tokens:
+            self.admit(num_tokens, share_idx=None, num_pin_blocks=num_tokens % 2)
+        for idx in range(len(self.tables)):
+            self.evict(idx, num_victims=int(0.4 * self.pick(idx).num_tokens) + 1, seed=seed + idx)
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def busy_req_ids(self) -> frozenset[int]:
+        return frozenset(plan.req_id for plan in self.engine.in_flight_plans)
+
+    def pick(self, idx: int) -> TokenTable:
+        return self.tables[sorted(self.tables)[idx % len(self.tables)]]
+
+    def expected_kv(self, table: TokenTable, token_ids: np.ndarray) -> torch.Tensor:
+        owner_id, num_prefix = self.prefix_of.get(table.req_id, (table.req_id, 0))
+        expected = token_kv(table.req_id, token_ids)
+        in_prefix = torch.as_tensor(token_ids < num_prefix)
+        expected[:, :, in_prefix] = token_kv(owner_id, token_ids[token_ids < num_prefix])
+        return expected
+
+    def grow_table(self, table: TokenTable, num_new_tokens: int) -> bool:
+        num_blocks = table.num_new_blocks_needed(num_new_tokens)
+        if not self.pool.can_allocate(num_blocks):
+            return False
+        first = table.num_tokens
+        table.sync_new_tokens(self.pool.allocate(num_blocks), first + num_new_tokens)
+        new_ids = np.arange(first, table.num_tokens)
+        slots = table.block_ids[new_ids] * S + table.offsets[new_ids]
+        self.kv_cache.write(torch.as_tensor(slots), token_kv(table.req_id, new_ids))
+        return True
+
+    def release_empty_blocks(self, table: TokenTable) -> None:
+        held = np.asarray(table.block_ids_held[table.num_pinned_blocks :], dtype=np.int64)
+        emptied = held[self.pool.live_counts[held] == 0]
+        table.release_blocks(emptied)
+        self.pool.free(emptied)
+
+    def complete(self, plan: RelocationPlan) -> None:
+        table = self.tables[plan.req_id]
+        live_before = table.live_token_ids().copy()
+        table.apply_moves(plan.moves)
+        check_conservation(table.req_id, live_before, table.live_token_ids())
+        self.release_empty_blocks(table)
+
+    # ---- rules -----------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.tables) < MAX_REQUESTS)
+    @rule(num_prompt_tokens=st.integers(1, 32), share_idx=st.none() | st.integers(0, 10), num_pin_blocks=st.integers(0, 2))
+    def admit(self, num_prompt_tokens: int, share_idx: int | None, num_pin_blocks: int) -> None:
+        table = TokenTable(self.next_req_id, self.pool)
+        owners = [r for r in self.prefix_owners if r in self.tables]
+        if share_idx is not None and owners:
+            owner = self.tables[owners[share_idx % len(owners)]]
+            num_shared_blocks = 1 + share_idx % owner.num_pinned_blocks
+            shared_ids = np.asarray(owner.block_ids_held[:num_shared_blocks], dtype=np.int64)
+            self.pool.share(shared_ids)
+            table.attach_shared_prefix(shared_ids, num_shared_blocks * S)
+            self.prefix_of[table.req_id] = (owner.req_id, num_shared_blocks * S)
+        if not self.grow_table(table, num_prompt_tokens):
+            self.pool.free(np.asarray(table.release_all(), dtype=np.int64))
+            self.prefix_of.pop(table.req_id, None)
+            return
+        self.tables[table.req_id] = table
+        self.next_req_id += 1
+        if table.req_id not in self.prefix_of and 0 < num_pin_blocks * S <= table.num_tokens:
+            table.pin_prefix(num_pin_blocks * S)
+            self.prefix_owners.append(table.req_id)
+
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 10), num_new_tokens=st.integers(1, 6))
+    def grow(self, idx: int, num_new_tokens: int) -> None:
+        self.grow_table(self.pick(idx), num_new_tokens)
+
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 10), num_victims=st.integers(1, 16), seed=st.integers(0, 2**16))
+    def evict(self, idx: int, num_victims: int, seed: int) -> None:
+        table = self.pick(idx)
+        candidates = table.live_token_ids()
+        candidates = candidates[candidates >= table.num_pinned_tokens]
+        if candidates.size == 0:
+            return
+        rng = np.random.default_rng(seed)
+        victims = rng.choice(candidates, size=min(num_victims, candidates.size), replace=False)
+        emptied = table.evict_tokens(victims)
+        if True:
+            table.release_blocks(emptied)
+            self.pool.free(emptied)
+
+    @rule(mode=st.sampled_from(["hole-fill", "ordered"]), max_src_blocks=st.integers(2, 5))
+    def plan_and_launch(self, mode: str, max_src_blocks: int) -> None:
+        busy = self.busy_req_ids()
+        reclaimer = Reclaimer(ReclaimConfig(mode=mode, max_src_blocks=max_src_blocks), self.pool)
+        for plan in reclaimer.plan(list(self.tables.values()), busy):
+            table = self.tables[plan.req_id]
+            check_plan(plan, table, self.pool, busy)  # I4, before anything is launched
+            got = self.pool.allocate(plan.dst_new_block_ids.size)
+            assert got.tolist() == plan.dst_new_block_ids.tolist()
+            table.adopt_blocks(got)
+            self.engine.launch(plan)
+            busy = busy | {plan.req_id}
+            self.num_plans_launched += 1
+
+    @rule()
+    def poll(self) -> None:
+        for plan in self.engine.poll_completed():
+            self.complete(plan)
+
+    @precondition(lambda self: self.tables)
+    @rule(idx=st.integers(0, 10))
+    def finish(self, idx: int) -> None:
+        table = self.pick(idx)
+        if table.req_id in self.busy_req_ids():
+            self.engine.cancel(table.req_id)
+        self.pool.free(np.asarray(table.release_all(), dtype=np.int64))
+        del self.tables[table.req_id]
+
+    def teardown(self) -> None:
+        for plan in self.engine.drain():
+            self.complete(plan)
+        self.check_every_live_token_reads_its_own_kv()
+        for table in list(self.tables.values()):
+            self.pool.free(np.asarray(table.release_all(), dtype=np.int64))
+        assert self.pool.num_free_blocks == NUM_BLOCKS
+        assert self.pool.num_live_tokens == 0
+
+    # ---- invariants after every rule -------------------------------------------------------
+
+    @invariant()
+    def mapping_is_unique_and_counts_agree(self) -> None:
+        check_unique_mapping(self.pool, list(self.tables.values()))  # I2
+
+    @invariant()
+    def check_every_live_token_reads_its_own_kv(self) -> None:
+        in_flight = self.engine.in_flight_plans
+        for table in self.tables.values():
+            token_ids, slots = table.live_token_ids(), table.slots()
+            assert slots.tolist() == (table.block_ids[token_ids] * S + table.offsets[token_ids]).tolist()
+            check_visibility(table.req_id, slots, in_flight, S)  # I3
+            got = self.kv_cache.read(torch.as_tensor(slots))
+            mismatched = (got != self.expected_kv(table, token_ids)).transpose(0, 2).reshape(token_ids.size, 4).any(-1).numpy()
+            check_contents(table.req_id, token_ids, slots, mismatched, S)  # I1
+
+    @invariant()
+    def pool_metrics_match_a_recount(self) -> None:
+        allocated = self.pool.ref_counts > 0
+        live = self.pool.live_counts[allocated]
+        assert self.pool.num_allocated_blocks == int(allocated.sum())
+        assert self.pool.num_live_tokens == int(self.pool.live_counts.sum())
+        if live.size:
+            assert abs(self.pool.waste_ratio() - (1 - live.sum() / (live.size * S))) < 1e-12
+        bins = np.minimum(live * NUM_HISTOGRAM_BINS // S, NUM_HISTOGRAM_BINS - 1)
+        assert self.pool.utilization_histogram().tolist() == np.bincount(bins, minlength=NUM_HISTOGRAM_BINS).tolist()
+
+
+SubstrateMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
+test_substrate_state_machine = SubstrateMachine.TestCase

@@ -1,0 +1,348 @@
+"""The reclaimer: configuration, eligibility and headroom, and both planning modes on hand-drawn
+layouts (S = 4), plus a property check that every plan is safe, frees what it says and keeps
+every live token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtoken.errors import ConfigError
+from vtoken.invariants import check_plan, check_unique_mapping
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.reclaim import (
+    ReclaimConfig,
+    Reclaimer,
+    RelocationPlan,
+    movable_block_ids,
+    num_reclaimable_blocks,
+    plan_hole_fill,
+    plan_ordered,
+)
+from vtoken.kv.token_table import TokenTable
+
+S = 4
+
+
+def make_layout(*blocks: str, tail: str = "", pool: BlockPool | None = None, req_id: int = 0) -> TokenTable:
+    """A request whose blocks look like the drawing: 'L' a live token, '.' an evicted one.
+
+    `blocks` are closed blocks; `tail` is the open tail, written up to its length.
+    make_layout("L.LL", "LL..", tail="LL") has tokens 0..9 in 3 blocks, 1, 6 and 7 evicted.
+    """
+    pool = pool or BlockPool(32, S)
+    table = TokenTable(req_id, pool)
+    pattern = "".join(blocks) + tail
+    assert all(len(b) == S for b in blocks) and len(tail) < S
+    table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(len(pattern))), len(pattern))
+    dead = [i for i, mark in enumerate(pattern) if mark == "."]
+    if dead:
+        table.evict_tokens(np.array(dead))
+    return table
+
+
+def moves_of(plan: RelocationPlan) -> list[tuple[int, int, int, int, int]]:
+    m = plan.moves
+    return list(zip(m.token_ids.tolist(), m.src_block_ids.tolist(), m.src_offsets.tolist(),
+                    m.dst_block_ids.tolist(), m.dst_offsets.tolist(), strict=True))
+
+
+def launch(plan: RelocationPlan, table: TokenTable) -> None:
+    """The runtime's launch, without KV data: check, allocate the planned destinations, adopt."""
+    pool = table.pool
+    check_plan(plan, table, pool, frozenset())
+    got = pool.allocate(plan.dst_new_block_ids.size)
+    assert got.tolist() == plan.dst_new_block_ids.tolist()
+    table.adopt_blocks(got)
+
+
+def complete(plan: RelocationPlan, table: TokenTable) -> None:
+    table.apply_moves(plan.moves)
+    table.release_blocks(plan.src_block_ids)
+    table.pool.free(plan.src_block_ids)
+
+
+def apply(plan: RelocationPlan, table: TokenTable) -> None:
+    launch(plan, table)
+    complete(plan, table)
+
+
+def layout_of(table: TokenTable) -> list[str]:
+    """The blocks of a table drawn back as strings, in held order."""
+    drawn = {b: ["."] * S for b in table.block_ids_held}
+    for token_id in table.live_token_ids().tolist():
+        drawn[int(table.block_ids[token_id])][int(table.offsets[token_id])] = "L"
+    return ["".join(drawn[b]) for b in table.block_ids_held]
+
+
+# ---- configuration -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mode": "compact"}, "unknown reclaim mode 'compact'; choose one of: hole-fill, ordered"),
+    ({"theta_f": 0.0}, r"theta_F must be in \(0, 1\), got 0.0"),
+    ({"theta_f": 1.0}, r"theta_F must be in \(0, 1\), got 1.0"),
+    ({"theta_f": -0.1}, "theta_F must be in"),
+    ({"theta_f": 1.5}, "theta_F must be in"),
+    ({"low_watermark_frac": 0.0}, r"low watermark must be a fraction in \(0, 1\], got 0.0"),
+    ({"low_watermark_frac": 1.01}, "low watermark must be a fraction"),
+    ({"check_interval_steps": 0}, "reclaim check interval must be > 0 steps, got 0"),
+    ({"max_src_blocks": 1}, "reclaim batch size B must be >= 2 blocks, got 1"),
+    ({"headroom_blocks": -1}, "headroom must be >= 0 blocks, got -1"),
+])
+def test_bad_reclaim_config_raises(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ReclaimConfig(**kwargs)
+
+
+def test_headroom_defaults_to_the_batch_size_for_ordered_and_zero_for_hole_fill() -> None:
+    assert ReclaimConfig(mode="hole-fill", max_src_blocks=8).num_headroom_blocks == 0
+    assert ReclaimConfig(mode="ordered", max_src_blocks=8).num_headroom_blocks == 8
+    assert ReclaimConfig(mode="ordered", headroom_blocks=3).num_headroom_blocks == 3
+
+
+# ---- eligibility and headroom ------------------------------------------------------------
+
+
+def test_eligibility_needs_the_interval_the_watermark_and_theta_f() -> None:
+    pool = BlockPool(16, S)
+    reclaimer = Reclaimer(ReclaimConfig(theta_f=0.25, low_watermark_frac=0.5, check_interval_steps=4), pool)
+    assert reclaimer.num_low_watermark_blocks == 8
+    table = make_layout("LLLL", "LLLL", "LLLL", "LLLL", "LLLL", "LLLL", "LLLL", "LLLL", "LLLL", pool=pool)
+    assert pool.num_free_blocks == 7 and pool.waste_ratio() == 0.0
+    assert not reclaimer.is_eligible(0)  # F = 0 < theta_F
+    table.evict_tokens(np.arange(0, 36, 4))  # one token per block: F = 9 / 36 = 0.25
+    assert pool.waste_ratio() == pytest.approx(0.25)
+    assert [reclaimer.is_eligible(step) for step in range(9)] == [True, False, False, False, True, False, False, False, True]
+    pool.free(np.array(table.release_all()))
+    assert not reclaimer.is_eligible(0)  # empty pool: F = 0 and every block free
+
+
+def test_eligibility_is_off_while_enough_blocks_are_free() -> None:
+    pool = BlockPool(16, S)
+    reclaimer = Reclaimer(ReclaimConfig(theta_f=0.25, low_watermark_frac=0.5), pool)
+    make_layout("L...", "L...", pool=pool)  # F = 0.75 but 14 of 16 blocks free
+    assert pool.waste_ratio() == pytest.approx(0.75)
+    assert not reclaimer.is_eligible(0)
+
+
+@pytest.mark.parametrize(("mode", "headroom_blocks", "num_admissible"), [
+    ("hole-fill", None, 10), ("ordered", None, 6), ("ordered", 3, 7), ("ordered", 12, 0),
+])
+def test_admission_leaves_the_headroom_free(mode: str, headroom_blocks: int | None, num_admissible: int) -> None:
+    pool = BlockPool(16, S)
+    pool.allocate(6)
+    reclaimer = Reclaimer(ReclaimConfig(mode=mode, max_src_blocks=4, headroom_blocks=headroom_blocks), pool)
+    assert reclaimer.num_admissible_blocks() == num_admissible
+
+
+# ---- hole-fill ---------------------------------------------------------------------------
+
+
+def test_hole_fill_moves_the_last_block_into_earlier_holes_as_drawn_in_the_module_docstring() -> None:
+    table = make_layout("L.LL", "LL..", ".L.L", tail="LLL")  # blocks 0, 1, 2; tail 3
+    plan = Reclaimer(ReclaimConfig(mode="hole-fill"), table.pool).plan([table])[0]
+    assert (plan.req_id, plan.mode, plan.layout_version) == (0, "hole-fill", table.layout_version)
+    assert moves_of(plan) == [(9, 2, 1, 0, 1), (11, 2, 3, 1, 2)]
+    assert plan.src_block_ids.tolist() == [2]
+    assert plan.dst_new_block_ids.tolist() == []
+    assert (plan.num_tokens_moved, plan.num_blocks_freed) == (2, 1)
+    apply(plan, table)
+    assert layout_of(table) == ["LLLL", "LLL.", "LLL."]
+    assert table.block_ids_held == [0, 1, 3]
+    assert table.pool.num_free_blocks == 32 - 3
+
+
+def test_hole_fill_takes_as_many_trailing_blocks_as_the_holes_hold() -> None:
+    table = make_layout("L...", "...L", "..LL", "LLLL", ".LLL", "...L", tail="L")  # blocks 0..5; tail 6
+    plan = plan_hole_fill(table, max_src_blocks=64)
+    assert plan.src_block_ids.tolist() == [3, 4, 5]
+    assert moves_of(plan) == [
+        (12, 3, 0, 0, 1), (13, 3, 1, 0, 2), (14, 3, 2, 0, 3), (15, 3, 3, 1, 0),
+        (17, 4, 1, 1, 1), (18, 4, 2, 1, 2), (19, 4, 3, 2, 0), (23, 5, 3, 2, 1),
+    ]
+    apply(plan, table)
+    assert layout_of(table) == ["LLLL", "LLLL", "LLLL", "L..."]
+
+
+def test_hole_fill_respects_the_batch_size() -> None:
+    table = make_layout("L...", "...L", "..LL", "LLLL", ".LLL", "...L", tail="L")
+    plan = plan_hole_fill(table, max_src_blocks=2)
+    assert plan.src_block_ids.tolist() == [4, 5]
+    assert moves_of(plan) == [(17, 4, 1, 0, 1), (18, 4, 2, 0, 2), (19, 4, 3, 0, 3), (23, 5, 3, 1, 0)]
+
+
+def test_hole_fill_frees_an_already_empty_trailing_block_without_moves() -> None:
+    table = make_layout("LL..", "....", tail="L")  # block 1 emptied but not released
+    plan = plan_hole_fill(table, max_src_blocks=64)
+    assert (plan.src_block_ids.tolist(), plan.num_tokens_moved, plan.num_blocks_freed) == ([1], 0, 1)
+
+
+# ---- ordered -----------------------------------------------------------------------------
+
+
+def test_ordered_packs_the_emptiest_blocks_in_logical_order_into_fresh_blocks() -> None:
+    table = make_layout("L...", "...L", "..LL", "LLLL", ".LLL", "...L", tail="L")  # blocks 0..6
+    plan = Reclaimer(ReclaimConfig(mode="ordered"), table.pool).plan([table])[0]
+    assert plan.src_block_ids.tolist() == [0, 1, 2, 4, 5]  # block 3 is full
+    assert plan.dst_new_block_ids.tolist() == [7, 8]
+    assert moves_of(plan) == [
+        (0, 0, 0, 7, 0), (7, 1, 3, 7, 1), (10, 2, 2, 7, 2), (11, 2, 3, 7, 3),
+        (17, 4, 1, 8, 0), (18, 4, 2, 8, 1), (19, 4, 3, 8, 2), (23, 5, 3, 8, 3),
+    ]
+    assert (plan.num_tokens_moved, plan.num_blocks_freed) == (8, 3)
+    apply(plan, table)
+    assert table.block_ids_held == [3, 7, 8, 6]
+    assert layout_of(table) == ["LLLL", "LLLL", "LLLL", "L..."]
+    assert table.slots().tolist() == [28, 29, 30, 31, 12, 13, 14, 15, 32, 33, 34, 35, 24]
+
+
+def test_ordered_takes_the_b_lowest_utilization_blocks() -> None:
+    table = make_layout("LL..", "L...", "LLL.", "L...", tail="L")
+    plan = plan_ordered(table, 2, table.pool, num_dst_used=0)
+    assert plan.src_block_ids.tolist() == [1, 3]
+    assert moves_of(plan) == [(4, 1, 0, 5, 0), (12, 3, 0, 5, 1)]
+
+
+def test_ordered_plans_of_several_requests_take_consecutive_free_blocks_and_stop_when_short() -> None:
+    pool = BlockPool(12, S)
+    a = make_layout("L...", "L...", "L...", tail="L", pool=pool, req_id=0)  # blocks 0..3
+    b = make_layout("L...", "L...", tail="L", pool=pool, req_id=1)  # blocks 4..6
+    c = make_layout("L...", "L...", tail="L", pool=pool, req_id=2)  # blocks 7..9
+    plans = Reclaimer(ReclaimConfig(mode="ordered"), pool).plan([c, b, a])
+    assert [(p.req_id, p.dst_new_block_ids.tolist()) for p in plans] == [(0, [10]), (1, [11])]
+    for plan, table in zip(plans, (a, b), strict=True):
+        launch(plan, table)
+    for plan, table in zip(plans, (a, b), strict=True):
+        complete(plan, table)
+    assert [a.block_ids_held, b.block_ids_held] == [[10, 3], [11, 6]]
+    check_unique_mapping(pool, [a, b, c])
+
+
+# ---- what is never planned ---------------------------------------------------------------
+
+
+def test_nothing_to_gain_gives_no_plan() -> None:
+    for mode in ("hole-fill", "ordered"):
+        table = make_layout("LLL.", "LLL.", tail="LL")
+        assert num_reclaimable_blocks(table) == 0
+        assert Reclaimer(ReclaimConfig(mode=mode), table.pool).plan([table]) == []
+    table = make_layout("LLL.", "LLL.", tail="LL")
+    assert plan_hole_fill(table, 64) is None
+    assert plan_ordered(table, 64, table.pool, 0) is None
+
+
+def test_the_open_tail_is_never_planned_but_a_full_tail_is() -> None:
+    table = make_layout("L...", tail="L")  # moving the tail token would free the tail
+    assert movable_block_ids(table).tolist() == [0]
+    assert num_reclaimable_blocks(table) == 0
+    for mode in ("hole-fill", "ordered"):
+        assert Reclaimer(ReclaimConfig(mode=mode), table.pool).plan([table]) == []
+    full_tail = make_layout("L...", "L.LL")  # the last block is written to the end: closed
+    assert movable_block_ids(full_tail).tolist() == [0, 1]
+    assert moves_of(plan_hole_fill(full_tail, 64)) == [(4, 1, 0, 0, 1), (6, 1, 2, 0, 2), (7, 1, 3, 0, 3)]
+
+
+def test_shared_and_pinned_prefix_blocks_are_never_planned() -> None:
+    pool = BlockPool(32, S)
+    owner = make_layout("LLLL", "LLLL", "L...", "L...", tail="L", pool=pool)  # blocks 0..4
+    owner.pin_prefix(8)
+    sharer = TokenTable(1, pool)
+    pool.share(np.array([0, 1]))
+    sharer.attach_shared_prefix(np.array([0, 1]), 8)
+    sharer.sync_new_tokens(pool.allocate(sharer.num_new_blocks_needed(9)), 17)  # blocks 5, 6, 7
+    sharer.evict_tokens(np.array([9, 10, 11, 13, 14, 15]))
+    assert movable_block_ids(owner).tolist() == [2, 3]
+    assert movable_block_ids(sharer).tolist() == [5, 6]
+    for mode in ("hole-fill", "ordered"):
+        plans = Reclaimer(ReclaimConfig(mode=mode), pool).plan([owner, sharer])
+        assert sorted(p.req_id for p in plans) == [0, 1]
+        for plan in plans:
+            touched = set(plan.src_block_ids.tolist()) | set(plan.moves.dst_block_ids.tolist())
+            assert touched.isdisjoint({0, 1})
+            check_plan(plan, owner if plan.req_id == 0 else sharer, pool, frozenset())
+    pool.share(np.array([3]))  # a block another request reuses is not movable either
+    assert movable_block_ids(owner).tolist() == [2]
+
+
+def test_busy_requests_are_skipped_and_the_most_reclaimable_comes_first() -> None:
+    pool = BlockPool(32, S)
+    a = make_layout("L...", "L...", tail="L", pool=pool, req_id=0)
+    b = make_layout("L...", "L...", "L...", tail="L", pool=pool, req_id=1)
+    c = make_layout("L...", "L...", tail="L", pool=pool, req_id=2)
+    assert [num_reclaimable_blocks(t) for t in (a, b, c)] == [1, 2, 1]
+    reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill"), pool)
+    assert [p.req_id for p in reclaimer.plan([a, b, c])] == [1, 0, 2]
+    assert [p.req_id for p in reclaimer.plan([a, b, c], frozenset({1, 2}))] == [0]
+
+
+def test_plan_mutates_nothing() -> None:
+    table = make_layout("L...", "...L", "..LL", "LLLL", ".LLL", "...L", tail="L")
+    pool = table.pool
+    before = (table.block_ids.copy(), table.offsets.copy(), table.live.copy(), list(table.block_ids_held),
+              table.layout_version, pool.live_counts.copy(), pool.ref_counts.copy(), pool.num_free_blocks)
+    for mode in ("hole-fill", "ordered"):
+        assert Reclaimer(ReclaimConfig(mode=mode), pool).plan([table])
+    after = (table.block_ids, table.offsets, table.live, table.block_ids_held,
+             table.layout_version, pool.live_counts, pool.ref_counts, pool.num_free_blocks)
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+# ---- the two modes side by side ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("blocks", "hole_fill_cost", "ordered_cost"), [
+    # sparse blocks first, full ones last: hole-fill moves the full blocks, ordered the sparse
+    (("L...", "L...", "L...", "L...", "LLLL", "LLLL"), (9, 3), (4, 3)),
+    # full blocks first, sparse ones last: hole-fill moves only the sparse tail of the request
+    (("LLLL", "LLLL", ".L..", "L...", "L...", "L..."), (3, 3), (4, 3)),
+])
+def test_tokens_moved_per_freed_block_of_the_two_modes(blocks, hole_fill_cost, ordered_cost) -> None:
+    costs = {}
+    for mode in ("hole-fill", "ordered"):
+        table = make_layout(*blocks, tail="L")
+        plan = Reclaimer(ReclaimConfig(mode=mode), table.pool).plan([table])[0]
+        costs[mode] = (plan.num_tokens_moved, plan.num_blocks_freed)
+        apply(plan, table)
+        assert table.num_blocks == len(blocks) + 1 - plan.num_blocks_freed
+    assert costs == {"hole-fill": hole_fill_cost, "ordered": ordered_cost}
+
+
+# ---- every plan is safe ------------------------------------------------------------------
+
+
+@st.composite
+def layouts(draw):
+    num_blocks = draw(st.integers(1, 10))
+    blocks = [draw(st.text("L.", min_size=S, max_size=S)) for _ in range(num_blocks)]
+    blocks = [b if "L" in b else "L" + b[1:] for b in blocks]  # emptied blocks would be released
+    tail = draw(st.text("L", min_size=0, max_size=S - 1))
+    return blocks, tail, draw(st.sampled_from(["hole-fill", "ordered"])), draw(st.integers(2, 6))
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=layouts())
+def test_every_plan_is_safe_frees_what_it_says_and_keeps_every_live_token(layout) -> None:
+    blocks, tail, mode, max_src_blocks = layout
+    table = make_layout(*blocks, tail=tail)
+    pool = table.pool
+    live_before = table.live_token_ids().copy()
+    num_reclaimable = num_reclaimable_blocks(table)
+    plans = Reclaimer(ReclaimConfig(mode=mode, max_src_blocks=max_src_blocks), pool).plan([table])
+    if num_reclaimable == 0:
+        assert plans == []
+    if mode == "hole-fill":  # one trailing block always fits once the holes add up to a block
+        assert len(plans) == (num_reclaimable > 0)
+    for plan in plans:
+        assert 1 <= plan.num_blocks_freed <= num_reclaimable
+        assert plan.src_block_ids.size <= max_src_blocks
+        assert set(plan.src_block_ids.tolist()) <= set(movable_block_ids(table).tolist())
+        num_blocks_before, num_free_before = table.num_blocks, pool.num_free_blocks
+        apply(plan, table)
+        assert table.num_blocks == num_blocks_before - plan.num_blocks_freed
+        assert pool.num_free_blocks == num_free_before + plan.num_blocks_freed
+    np.testing.assert_array_equal(table.live_token_ids(), live_before)
+    check_unique_mapping(pool, [table])

@@ -1,0 +1,81 @@
+"""Compaction plans for a request in vLLM, whose attention reads slots 0..seq_len-1. Pure.
+
+Stock vLLM kernels take a block table and a sequence length per request; none skips a slot. So
+after an eviction the live tokens of a request must be packed into the first positions of its
+block list before the next forward. A position is `index in block_ids_held * S + offset`:
+
+    before (S = 4, 7 live):   [L . L L][. L . .][L L L .]      positions 0..11
+    hole-fill:                [L L L L][L L L .][. . . .]      2 moves: 9 -> 1, 8 -> 4...
+    ordered:                  the same packing, logical order kept: every token after
+                              the first hole moves (more moves, same result)
+
+hole-fill moves the last live tokens into the first holes (fewest moves; valid because cached
+keys carry their rotary position and attention does not depend on key order). ordered keeps
+the logical order (the paper's order-preserving compaction, in place). Blocks past the packed
+end hold no live token afterwards; what happens to them is the variant's business.
+
+`naive_num_blocks` is the other half of the naive-evict variant: how many blocks a layout that
+never moves tokens would hold (a block goes only when every token in it is dead).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtoken.errors import ConfigError
+from vtoken.kv.token_table import Moves, TokenTable
+
+COMPACTION_MODES = ("hole-fill", "ordered")
+
+
+def live_positions(table: TokenTable) -> tuple[np.ndarray, np.ndarray]:
+    """Live logical ids (ascending) and their positions in the request's block list."""
+    live_ids = table.live_token_ids()
+    held = np.asarray(table.block_ids_held, dtype=np.int64)
+    index_of_block = np.full(int(held.max(initial=-1)) + 1, -1, dtype=np.int64)
+    index_of_block[held] = np.arange(held.size)
+    block_idx = index_of_block[table.block_ids[live_ids]]
+    assert np.all(block_idx >= 0), "a live token maps to a block its request does not hold"
+    return live_ids, block_idx * table.block_size + table.offsets[live_ids]
+
+
+def plan_compaction(table: TokenTable, mode: str) -> Moves:
+    """Moves that leave the live tokens exactly at positions 0..num_live-1. Mutates nothing."""
+    if mode not in COMPACTION_MODES:
+        raise ConfigError(f"unknown reclaim mode '{mode}'; choose one of: {', '.join(COMPACTION_MODES)}")
+    if table.num_pinned_tokens:
+        raise ConfigError(f"request {table.req_id}: compaction over a shared prefix is not supported "
+                          "(run vLLM with prefix caching off)")
+    live_ids, positions = live_positions(table)
+    num_live = live_ids.size
+    if mode == "ordered":
+        targets = np.arange(num_live, dtype=np.int64)
+        moving = np.flatnonzero(positions != targets)
+        dst = targets[moving]
+    else:
+        occupied = np.zeros(num_live, dtype=bool)
+        in_front = positions < num_live
+        occupied[positions[in_front]] = True
+        holes = np.flatnonzero(~occupied)
+        outside = np.flatnonzero(~in_front)
+        moving = outside[np.argsort(-positions[outside], kind="stable")]  # the last token first
+        dst = holes
+    return _moves(table, live_ids[moving], positions[moving], dst)
+
+
+def _moves(table: TokenTable, token_ids: np.ndarray, src: np.ndarray, dst: np.ndarray) -> Moves:
+    held = np.asarray(table.block_ids_held, dtype=np.int64)
+    size = table.block_size
+    order = np.argsort(token_ids, kind="stable")
+    token_ids, src, dst = token_ids[order], src[order], dst[order]
+    return Moves(token_ids.astype(np.int64), held[src // size], src % size, held[dst // size], dst % size)
+
+
+def naive_num_blocks(table: TokenTable) -> int:
+    """Blocks the never-compacted layout holds: those with a live token, plus the open tail."""
+    if table.num_tokens == 0:
+        return 0
+    size = table.block_size
+    naive_block_idx = np.unique(table.live_token_ids() // size)
+    tail_idx = (table.num_tokens - 1) // size
+    return int(naive_block_idx.size + (0 if naive_block_idx.size and naive_block_idx[-1] == tail_idx else 1))

@@ -1,0 +1,307 @@
+"""The vToken side of a vLLM scheduler: token tables, policy, compaction, block release. No vLLM import.
+
+`VTokenScheduler` (scheduler.py) is the glue; this class owns the state, so it is testable
+without vLLM. The token tables run over a *ledger* `BlockPool` of the same size as vLLM's;
+ledger ids map to vLLM block ids, so a table describes the real layout of the KV tensors.
+
+Per request, a step goes:
+
+    schedule()            sync(req, n new tokens, vLLM block list)  -> the table places them
+                          take_step_plan()                          -> moves, lengths, truncations
+    worker                copies, then the forward (positions logical, KV length physical)
+    update_from_output()  complete_moves(plan)
+                          after_step(req, ...)  -> policy -> evict -> compaction -> pending moves
+                          num_releasable_blocks(req, ...) -> the scheduler frees that many
+                          trailing blocks and calls blocks_released
+
+Variants differ only in how many blocks a request keeps once its moves have landed:
+
+    native       no eviction, nothing to release
+    naive-evict  the blocks a never-compacted layout would hold (compaction.naive_num_blocks)
+    vtoken       only the blocks holding live tokens, handed back when the reclaimer's stage 1
+                 (F >= theta_F, every k steps) says so
+
+KV-manager lengths: vLLM sizes a request's block list from `num_computed_tokens`. The tracker
+gives each request a `manager_offset` so that the manager sees `num_computed - offset` tokens:
+the dead count for vtoken (live tokens only), whole dead naive blocks for naive-evict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vtoken.engine.vllm.compaction import live_positions, naive_num_blocks, plan_compaction
+from vtoken.engine.vllm.plan import StepPlan
+from vtoken.engine.vllm.settings import VllmSettings
+from vtoken.errors import InvariantError, VTokenError
+from vtoken.invariants import check_conservation, check_unique_mapping
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.token_table import TokenTable
+from vtoken.policies import make_policy
+from vtoken.policies.base import RequestView
+
+
+@dataclass(frozen=True)
+class EvictionEvent:
+    """Tokens a request lost when its KV held `num_tokens` tokens (ids ascending)."""
+
+    num_tokens: int
+    token_ids: np.ndarray
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters and gauges of the vToken layer (exported as vtoken_* metrics)."""
+
+    variant: str
+    num_running_requests: int
+    num_live_tokens: int
+    num_allocated_blocks: int
+    block_size: int
+    tokens_evicted: int
+    tokens_moved: int
+    blocks_reclaimed: int
+    relocation_events: int
+    eviction_events: int
+    preemptions: int
+    invariant_violations: int
+
+    @property
+    def waste_ratio(self) -> float:
+        """F (Eq. 1) over vLLM's allocated blocks; 0.0 with none allocated."""
+        if self.num_allocated_blocks == 0:
+            return 0.0
+        return 1.0 - self.num_live_tokens / (self.num_allocated_blocks * self.block_size)
+
+
+@dataclass
+class _Request:
+    req_idx: int  # integer id for the policy (seeded draws) and the table
+    table: TokenTable
+    next_eviction_at: int = 1  # evict when num_output_tokens reaches this (1 = after prefill)
+    manager_offset: int = 0
+    resume_evicted_ids: np.ndarray | None = None  # re-evict after a recompute (preemption)
+    pending_src: list[np.ndarray] = field(default_factory=list)  # vLLM slots, not yet sent
+    pending_dst: list[np.ndarray] = field(default_factory=list)
+    has_moves_in_flight: bool = False
+    events: list[EvictionEvent] = field(default_factory=list)
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        return self.table.num_tokens - self.table.num_live_tokens
+
+
+class VTokenTracker:
+    def __init__(self, settings: VllmSettings, num_blocks: int, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.ledger = BlockPool(num_blocks, block_size)
+        self.vllm_id_of = np.full(num_blocks, -1, dtype=np.int64)  # ledger id -> vLLM block id
+        self.policy = make_policy(settings.eviction.policy, seed=settings.seed)
+        self.requests: dict[str, _Request] = {}
+        self._resumed: dict[str, _Request] = {}  # preempted: waits for its recompute
+        self.finished_events: dict[str, list[EvictionEvent]] = {}  # kept only with record_events
+        self.record_events = False
+        self._next_req_idx = 0
+        self._req_idx_of: dict[str, int] = {}
+        self._truncations: dict[str, int] = {}
+        self.counters = dict(tokens_evicted=0, tokens_moved=0, blocks_reclaimed=0, relocation_events=0,
+                             eviction_events=0, preemptions=0, invariant_violations=0)
+
+    # ---- identities ----------------------------------------------------------------------------
+
+    def req_idx(self, req_id: str) -> int:
+        """A stable integer per request id, in order of first sight (same order in every variant)."""
+        if req_id not in self._req_idx_of:
+            self._req_idx_of[req_id] = self._next_req_idx
+            self._next_req_idx += 1
+        return self._req_idx_of[req_id]
+
+    def manager_offset(self, req_id: str) -> int:
+        state = self.requests.get(req_id)
+        return state.manager_offset if state is not None else 0
+
+    # ---- schedule ------------------------------------------------------------------------------
+
+    def num_new_blocks_needed(self, req_id: str, num_new_tokens: int) -> int:
+        state = self.requests.get(req_id)
+        if state is None:
+            return -(-num_new_tokens // self.block_size)
+        return state.table.num_new_blocks_needed(num_new_tokens)
+
+    def sync(self, req_id: str, num_new_tokens: int, vllm_block_ids: list[int] | None) -> None:
+        """Place the KV of `num_new_tokens` tokens the coming forward writes.
+
+        `vllm_block_ids` is the request's whole vLLM block list, needed only when
+        `num_new_blocks_needed` > 0: the table takes the next blocks of that list.
+        """
+        state = self.requests.get(req_id)
+        if state is None:
+            state = self._resumed.pop(req_id, None)
+            if state is None:
+                table = TokenTable(self.req_idx(req_id), self.ledger, capacity=max(64, num_new_tokens))
+                state = _Request(table.req_id, table)
+            self.requests[req_id] = state
+        table = state.table
+        num_needed = table.num_new_blocks_needed(num_new_tokens)
+        ledger_ids = np.zeros(0, dtype=np.int64)
+        if num_needed:
+            first = table.num_blocks
+            new_vllm_ids = vllm_block_ids[first : first + num_needed]
+            if len(new_vllm_ids) != num_needed:
+                raise VTokenError(f"request {req_id}: needs {num_needed} more blocks, vLLM holds "
+                                  f"{len(vllm_block_ids)} and the table {first}")
+            ledger_ids = self.ledger.allocate(num_needed)
+            self.vllm_id_of[ledger_ids] = new_vllm_ids
+        table.sync_new_tokens(ledger_ids, table.num_tokens + num_new_tokens)
+
+    def take_step_plan(self, scheduled_req_ids: list[str], score_req_ids: frozenset[str] = frozenset()) -> StepPlan:
+        """Moves planned since the last step, lengths of the scheduled requests, truncations."""
+        src, dst = [], []
+        for req_id, state in self.requests.items():
+            if state.pending_src:
+                src.extend(state.pending_src)
+                dst.extend(state.pending_dst)
+                state.pending_src, state.pending_dst = [], []
+                state.has_moves_in_flight = True
+        num_evicted = {r: self.requests[r].num_evicted_tokens for r in scheduled_req_ids
+                       if r in self.requests and self.requests[r].num_evicted_tokens}
+        truncations, self._truncations = self._truncations, {}
+        empty = np.zeros(0, dtype=np.int64)
+        return StepPlan(np.concatenate(src) if src else empty, np.concatenate(dst) if dst else empty,
+                        num_evicted, truncations, score_req_ids)
+
+    # ---- update_from_output --------------------------------------------------------------------
+
+    def complete_moves(self) -> None:
+        """The step that carried the pending copies has run: their data has landed."""
+        for state in self.requests.values():
+            state.has_moves_in_flight = False
+
+    def after_step(self, req_id: str, num_output_tokens: int, num_kv_tokens: int) -> None:
+        """The request's KV holds `num_kv_tokens` tokens and a sampled token waits; maybe evict."""
+        state = self.requests.get(req_id)
+        if state is None or not self.settings.evicts:
+            return
+        if state.table.num_tokens != num_kv_tokens:
+            raise VTokenError(f"request {req_id}: vLLM computed {num_kv_tokens} tokens, its table has {state.table.num_tokens}")
+        if state.resume_evicted_ids is not None:
+            victims, state.resume_evicted_ids = state.resume_evicted_ids, None
+            self._evict(req_id, state, victims, record=False)
+            return
+        if num_output_tokens < state.next_eviction_at:
+            return
+        interval = self.settings.eviction.interval_tokens
+        state.next_eviction_at = (num_output_tokens // interval + 1) * interval
+        victims = self.policy.select_victims(self._view(state))
+        if victims.size:
+            self._evict(req_id, state, victims, record=True)
+
+    def _view(self, state: _Request) -> RequestView:
+        table = state.table
+        budget = self.settings.eviction.budget
+        num_tokens = table.num_tokens
+        token_ids = table.live_token_ids()
+        num_keep = budget.num_keep_tokens(num_tokens)
+        return RequestView(state.req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens, budget.num_recent_tokens)
+
+    def _evict(self, req_id: str, state: _Request, victims: np.ndarray, record: bool) -> None:
+        table = state.table
+        live_before = table.live_token_ids()
+        table.evict_tokens(victims)
+        moves = plan_compaction(table, self.settings.reclaim.mode)
+        table.apply_moves(moves)
+        num_dense_blocks = -(-table.num_live_tokens // self.block_size)
+        emptied = np.asarray(table.block_ids_held[num_dense_blocks:], dtype=np.int64)
+        table.release_blocks(emptied)
+        self.ledger.free(emptied)
+        if moves.num_moves:
+            state.pending_src.append(self.vllm_id_of[moves.src_block_ids] * self.block_size + moves.src_offsets)
+            state.pending_dst.append(self.vllm_id_of[moves.dst_block_ids] * self.block_size + moves.dst_offsets)
+            self.counters["tokens_moved"] += moves.num_moves
+            self.counters["relocation_events"] += 1
+        if self.settings.variant == "naive-evict":
+            num_naive_blocks = max(naive_num_blocks(table), table.num_blocks)
+            state.manager_offset = self.block_size * (-(-table.num_tokens // self.block_size) - num_naive_blocks)
+        else:
+            state.manager_offset = state.num_evicted_tokens
+        self.counters["tokens_evicted"] += int(victims.size)
+        self.counters["eviction_events"] += 1
+        if record and self.record_events:
+            state.events.append(EvictionEvent(table.num_tokens, np.sort(victims).astype(np.int64)))
+        if self.settings.check_invariants:
+            self._check(req_id, table, np.setdiff1d(live_before, victims))
+
+    def _check(self, req_id: str, table: TokenTable, expected_live: np.ndarray) -> None:
+        try:
+            check_conservation(table.req_id, expected_live, table.live_token_ids())
+            check_unique_mapping(self.ledger, [s.table for s in self.requests.values()])
+            _, positions = live_positions(table)
+            if not np.array_equal(np.sort(positions), np.arange(positions.size)):
+                raise InvariantError("I3", f"request {req_id}: live tokens not dense after compaction; "
+                                     "attention would read a dead slot")
+        except InvariantError:
+            self.counters["invariant_violations"] += 1
+            raise
+
+    # ---- release -------------------------------------------------------------------------------
+
+    def num_blocks_to_keep(self, req_id: str, num_vllm_blocks: int, reclaim_now: bool) -> int:
+        """How many of its `num_vllm_blocks` blocks the request keeps now (the rest go back)."""
+        state = self.requests.get(req_id)
+        if state is None or not self.settings.evicts or state.has_moves_in_flight or state.pending_src:
+            return num_vllm_blocks
+        if self.settings.variant == "naive-evict":
+            keep = max(naive_num_blocks(state.table), state.table.num_blocks)
+        elif reclaim_now:
+            keep = state.table.num_blocks
+        else:
+            return num_vllm_blocks
+        return min(num_vllm_blocks, keep)
+
+    def blocks_released(self, req_id: str, num_blocks_kept: int, num_blocks_freed: int) -> None:
+        self._truncations[req_id] = num_blocks_kept
+        self.counters["blocks_reclaimed"] += num_blocks_freed
+
+    def is_reclaim_step(self, step_idx: int, num_allocated_blocks: int) -> bool:
+        """Stage 1 of the reclaimer: every k steps, when F over vLLM's blocks is at least theta_F."""
+        reclaim = self.settings.reclaim
+        if not self.settings.reclaims or step_idx % reclaim.check_interval_steps:
+            return False
+        return self.stats(num_allocated_blocks).waste_ratio >= reclaim.theta_f
+
+    # ---- lifetimes -----------------------------------------------------------------------------
+
+    def drop(self, req_id: str, is_finished: bool) -> None:
+        """vLLM freed the request's blocks: finished (forget it) or preempted (rebuild on resume)."""
+        state = self.requests.pop(req_id, None)
+        self._truncations.pop(req_id, None)
+        if is_finished:
+            state = state or self._resumed.pop(req_id, None)
+            self._req_idx_of.pop(req_id, None)
+        if state is None:
+            return
+        evicted = np.flatnonzero(~state.table.live)
+        self.ledger.free(np.asarray(state.table.release_all(), dtype=np.int64))
+        if is_finished:
+            if self.record_events:
+                self.finished_events[req_id] = state.events
+            return
+        self.counters["preemptions"] += 1
+        table = TokenTable(state.req_idx, self.ledger, capacity=max(64, state.table.num_tokens))
+        resumed = _Request(state.req_idx, table, state.next_eviction_at, events=state.events)
+        resumed.resume_evicted_ids = evicted if evicted.size else None
+        self._resumed[req_id] = resumed
+
+    def events(self, req_id: str) -> list[EvictionEvent]:
+        state = self.requests.get(req_id) or self._resumed.get(req_id)
+        return state.events if state is not None else self.finished_events.get(req_id, [])
+
+    # ---- metrics -------------------------------------------------------------------------------
+
+    def stats(self, num_allocated_blocks: int) -> EngineStats:
+        num_live = sum(s.table.num_live_tokens for s in self.requests.values())
+        return EngineStats(self.settings.variant, len(self.requests), num_live, num_allocated_blocks,
+                           self.block_size, **self.counters)

@@ -1,0 +1,250 @@
+"""`vtoken audit DEPLOYMENT`: the KV memory token-level eviction would trap on a deployment (a
+TOML file or a running vLLM server), per policy, and what vToken would recover.
+
+The command parses flags into `Overrides`, calls `vtoken.audit.audit` and renders the report;
+the renderables below show what the library computed and compute no metric.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import typer  # noqa: E402
+from rich.console import Group, RenderableType  # noqa: E402
+from rich.panel import Panel  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+from rich.text import Text  # noqa: E402
+
+from vtoken.audit import (  # noqa: E402
+    DEFINITIONS, AuditReport, Overrides, PolicyAudit, audit, policy_title, report_rows, report_to_json,
+)
+from vtoken.errors import ConfigError  # noqa: E402
+from vtoken.hardware import GiB  # noqa: E402
+from vtoken.policies import POLICIES  # noqa: E402
+from vtoken.trace import TRACE_FORMATS  # noqa: E402
+from vtoken_cli.app import command, stderr, stdout  # noqa: E402
+from vtoken_cli.output import check_output_dir, write_output_dir  # noqa: E402
+from vtoken_cli.render import BIN_LABELS, histogram  # noqa: E402
+
+VARIANTS = ("native", "naive-evict", "vtoken")
+
+
+@command("audit")
+def audit_command(
+    deployment: Annotated[str, typer.Argument(
+        help="A deployment TOML file, or the http(s):// URL of a running vLLM server.", metavar="DEPLOYMENT",
+        show_default=False)],
+    model: Annotated[Optional[str], typer.Option(help="Catalog model name (or HF id); supplies or replaces the deployment's.")] = None,
+    model_config: Annotated[Optional[Path], typer.Option(help="An HF config.json giving the model's KV geometry.")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="Catalog GPU of the cost model (step times): h100-80gb, h200, a100-80gb, l40s.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block (replaces the server's or the TOML's).")] = None,
+    num_blocks: Annotated[Optional[int], typer.Option(help="KV block budget (replaces the server's or the TOML's).")] = None,
+    policy: Annotated[Optional[list[str]], typer.Option(help=f"Policy to audit, repeatable: {', '.join(POLICIES)}. Default: h2o, streaming_llm, scissorhands, random.")] = None,
+    budget: Annotated[Optional[str], typer.Option(help="Tokens each request keeps: '50%', '0.5' or '512'. Default 50%.")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Workload trace. Default: the TOML's, else the bundled Azure sample.")] = None,
+    trace_format: Annotated[Optional[str], typer.Option("--format", help=f"Trace format: {', '.join(TRACE_FORMATS)}.")] = None,
+    time_unit: Annotated[Optional[str], typer.Option(help="Timestamp unit of the trace: s or ms.")] = None,
+    max_requests: Annotated[Optional[int], typer.Option(help="Replay only the first N requests.")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="Closed-loop clients. Default 16.")] = None,
+    frontier_max: Annotated[Optional[int], typer.Option(help="Largest concurrency the capacity search tries. Default 64.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Seconds the server scrape may take. Default 5.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the synthetic attention and the random policy. Default 0.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")] = False,
+    output: Annotated[Optional[Path], typer.Option(help="Write report.json, policies.csv and PNG histograms into this directory.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace a non-empty --output directory.")] = False,
+) -> None:
+    """Audit DEPLOYMENT: replay its workload on its KV block budget with naive eviction and with
+    vToken, per policy, and report the waste, the trapped memory and what vToken recovers."""
+    if model is not None and model_config is not None:
+        raise ConfigError("give --model or --model-config, not both")
+    if output is not None:
+        check_output_dir(output, force)
+    overrides = Overrides(
+        model=str(model_config) if model_config is not None else model, gpu=gpu, block_size=block_size,
+        num_gpu_blocks=num_blocks, policies=tuple(policy) if policy else None, budget=budget, trace=trace,
+        trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
+        frontier_max_concurrency=frontier_max, timeout_s=timeout, seed=seed,
+    )
+    with Progress(TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=stderr, transient=True) as bar:
+        task = bar.add_task("reading the deployment", total=None)
+        report = audit(deployment, overrides,
+                       lambda stage, done, total: bar.update(task, completed=done, total=total, description=stage))
+    payload = report_to_json(report)
+    if output is not None:
+        write_output_dir(output, _writers(report, payload), force)
+        stderr.print(f"wrote {output}/ (report.json, policies.csv, histogram_<policy>.png)", highlight=False)
+    if json_out:
+        typer.echo(json.dumps(payload, indent=2))
+    else:
+        stdout.print(audit_report(report), soft_wrap=False)
+
+
+# ---- rendering ----------------------------------------------------------------------------------
+
+
+def audit_report(report: AuditReport) -> Group:
+    parts: list[RenderableType] = [_deployment_panel(report)]
+    if report.live is not None:
+        parts.append(_live_panel(report))
+    parts += [_workload_panel(report), _policy_table(report), _variant_table(report)]
+    parts += [_histograms(report, p) for p in report.policies]
+    parts += [_definitions(), Panel(report.verdict, title="Verdict", title_align="left", border_style="bold")]
+    return Group(*parts)
+
+
+def _deployment_panel(report: AuditReport) -> Panel:
+    d = report.deployment
+    lines = [
+        f"source      {d.source}",
+        f"model       {d.model.name}: {d.model.num_layers} layers x {d.model.num_kv_heads} KV heads x "
+        f"{d.model.head_dim}, {d.model.kv_bytes_per_token:,} KV bytes/token",
+        f"KV budget   {d.num_blocks:,} blocks of {d.block_size} tokens = "
+        f"{d.num_blocks * d.kv_bytes_per_block / GiB:.2f} GiB",
+        f"eviction    {', '.join(d.policies)}; {d.budget.describe()}, every {d.interval_tokens} tokens",
+        f"simulated   sim executor on {d.gpu.name}, seed {d.seed}",
+    ]
+    lines += [f"note        {n}" for n in d.notes]
+    lines += [f"GPU {g.index} here  {g.name}: {g.memory_used_bytes / GiB:.1f} of {g.memory_total_bytes / GiB:.1f} GiB used "
+              "(NVML)" for g in report.gpus.devices]
+    if report.gpus.reason is not None:
+        lines.append(f"GPUs here   {report.gpus.reason}")
+    return Panel("\n".join(lines), title="Deployment", title_align="left")
+
+
+def _live_panel(report: AuditReport) -> Panel:
+    live = report.live
+    cache = live.cache_config
+    lines = [
+        f"server      {live.url}  model {live.model_name}" + (f", max_model_len {live.max_model_len}" if live.max_model_len else ""),
+        f"cache       block size {_show(cache.block_size)}, {_show(cache.num_gpu_blocks)} GPU blocks, dtype "
+        f"{_show(cache.cache_dtype)}, prefix caching {_show(cache.enable_prefix_caching)}, "
+        f"gpu_memory_utilization {_show(cache.gpu_memory_utilization)}",
+        f"load        KV usage {_percent(live.kv_cache_usage)}, {_show(live.num_requests_running)} running, "
+        f"{_show(live.num_requests_waiting)} waiting, {_show(live.num_preemptions)} preemptions so far",
+    ]
+    lines += [f"note        {n}" for n in live.notes]
+    parts: list[RenderableType] = [Text("\n".join(lines))]
+    if report.is_waste_measured:
+        metrics = Table("vtoken metric", "value", title_justify="left")
+        for name, value in sorted(live.vtoken_metrics.items()):
+            metrics.add_row(name, f"{value:g}")
+        parts += [Text("The server runs vToken: its waste is measured, not simulated.", style="bold green"), metrics]
+    return Panel(Group(*parts), title="Live server", title_align="left")
+
+
+def _workload_panel(report: AuditReport) -> Panel:
+    w = report.deployment.workload
+    trace = report.trace
+    lines = [f"{trace.source} ({trace.format}), {len(trace.requests)} requests, closed loop with {w.concurrency} clients"]
+    if w.is_bundled_sample:
+        lines.append("no workload given: using the bundled sample, Azure LLM inference trace 2023 (conversation), "
+                     "Azure Public Dataset, CC-BY 4.0")
+    lines += [f"note: {n}" for n in trace.notes]
+    return Panel("\n".join(lines), title="Workload", title_align="left")
+
+
+def _policy_table(report: AuditReport) -> Table:
+    table = Table(title="Waste per policy (naive-evict: token-level eviction on the paged cache as it is)",
+                  title_justify="left")
+    table.add_column("policy", min_width=12, no_wrap=True)
+    for column in ("F", "u <= 50%", "trapped GiB", "reclaim GiB", "reclaim blocks", "room for"):
+        table.add_column(column, justify="right")
+    for p in report.policies:
+        run = p.evicted
+        table.add_row(
+            policy_title(p.policy), f"{run.waste_ratio:.3f}", f"{100 * run.frac_blocks_le_half:.1f}%",
+            f"{run.trapped_bytes / GiB:.2f}", f"{p.reclaimable_bytes / GiB:.2f}", f"{p.reclaimable_blocks:,.0f}",
+            str(p.room_for_more_requests),
+        )
+    skipped = {p.policy: len(p.evicted.skipped) for p in report.policies if p.evicted.skipped}
+    if skipped:
+        table.caption = "requests larger than the whole budget were skipped: " + ", ".join(f"{k} {n}" for k, n in skipped.items())
+    return table
+
+
+def _variant_table(report: AuditReport) -> Table:
+    cap = report.deployment.frontier_max_concurrency
+    table = Table(title=f"Per variant (max C: searched up to {cap}; + = at least)", title_justify="left")
+    table.add_column("policy", min_width=12, no_wrap=True)
+    table.add_column("variant", min_width=11, no_wrap=True)
+    for column in ("F", "blocks per req", "trapped GiB", "max C", "preempt"):
+        table.add_column(column, justify="right")
+    for p in report.policies:
+        for variant in VARIANTS:
+            run, capacity = p.runs[variant], p.capacity[variant]
+            table.add_row(
+                policy_title(p.policy) if variant == VARIANTS[0] else "", variant, f"{run.waste_ratio:.3f}",
+                f"{run.retained_blocks_per_request:.1f}", f"{run.trapped_bytes / GiB:.2f}",
+                f"{capacity.max_concurrency}{'+' if capacity.is_lower_bound else ''}", str(run.preemptions),
+                end_section=variant == VARIANTS[-1],
+            )
+    return table
+
+
+def _histograms(report: AuditReport, p: PolicyAudit) -> Group:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row(histogram(p.evicted.utilization_histogram, "naive-evict"),
+                 histogram(p.runs["vtoken"].utilization_histogram, "vtoken"))
+    title = f"{policy_title(p.policy)}: block utilization u = live / S, share of allocated blocks"
+    return Group(Text(title, style="bold"), grid)
+
+
+def _definitions() -> Table:
+    table = Table(title="Definitions (time-weighted means over each run)", title_justify="left", show_header=False, box=None)
+    for _, name, text in DEFINITIONS:
+        table.add_row(Text(name, style="bold"), text)
+    return table
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "?"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _percent(value: float | None) -> str:
+    return "?" if value is None else f"{100 * value:.1f}%"
+
+
+# ---- --output -----------------------------------------------------------------------------------
+
+
+def _writers(report: AuditReport, payload: dict) -> list:
+    def write_json(d: Path) -> None:
+        (d / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+    def write_csv(d: Path) -> None:
+        pd.DataFrame(report_rows(report)).to_csv(d / "policies.csv", index=False)
+
+    def write_plots(d: Path) -> None:
+        for p in report.policies:
+            _plot_histogram(p, d / f"histogram_{p.policy}.png")
+
+    return [write_json, write_csv, write_plots]
+
+
+def _plot_histogram(p: PolicyAudit, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    width = 0.4
+    for offset, variant in ((-width / 2, "naive-evict"), (width / 2, "vtoken")):
+        run = p.runs[variant]
+        ax.bar([i + offset for i in range(10)], [100 * v for v in run.utilization_histogram], width,
+               label=f"{variant} (F = {run.waste_ratio:.2f})")
+    ax.set_xticks(range(10), [label.strip() for label in BIN_LABELS], rotation=45, fontsize=7)
+    ax.set(xlabel="block utilization (live tokens / S)", ylabel="share of allocated blocks (%)",
+           title=f"{policy_title(p.policy)}: block utilization, time-weighted")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,230 @@
+"""`vtoken check-invariants [TRACE]`: relocations on materialized KV, I1-I4 checked on every event.
+
+The command parses flags into a `RunConfig` and `CheckOptions`, calls
+`vtoken.checker.check_invariants` and renders the report. Exit code 0 when every invariant
+held, 1 on any violation, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Optional
+
+import pandas as pd
+import typer
+from rich.console import Group, RenderableType
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from vtoken.checker import (
+    CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, INVARIANT_NAMES, INVARIANTS, CheckOptions, CheckReport, Tally,
+    TraceLimits, bundled_sample_traces, check_invariants, num_progress_units, report_to_json,
+)
+from vtoken.errors import ConfigError
+from vtoken.kv.reclaim import RECLAIM_MODES
+from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
+from vtoken.trace import TRACE_FORMATS, load_trace
+from vtoken_cli.app import command, stderr, stdout
+from vtoken_cli.options import build_run_config
+from vtoken_cli.output import check_output_dir, write_output_dir
+
+
+@command("check-invariants")
+def check_command(
+    trace: Annotated[Optional[Path], typer.Argument(
+        help="Trace to replay. Default: every bundled sample trace (sample_traces/).", show_default=False)] = None,
+    policy: Annotated[str, typer.Option(
+        help=f"Policy, comma-separated policies, or 'all' ({', '.join(DEFAULT_AUDIT_POLICIES)}). Known: {', '.join(POLICIES)}.")] = "all",
+    reclaim_mode: Annotated[str, typer.Option(help=f"Reclaim planning mode: {', '.join(RECLAIM_MODES)} or 'both'.")] = "both",
+    executor: Annotated[str, typer.Option(help=f"Executor: {', '.join(EXECUTORS)} (cost model, no weights).")] = "sim",
+    inject_fault: Annotated[Optional[str], typer.Option(
+        help=f"Inject a fault the checker must catch: {', '.join(FAULT_KINDS)}.", show_default=False)] = None,
+    fuzz: Annotated[int, typer.Option(
+        help="Also run N random scenarios (requests, shared prefixes, budgets, policies, block sizes); "
+             "without TRACE, only those.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic attention, the random policy and the fuzz draws.")] = 0,
+    num_blocks: Annotated[Optional[int], typer.Option(
+        help="KV block budget. Default: per trace, 60% of the peak blocks of the `concurrency` largest requests "
+             "(pressure: relocation, preemption, block reuse), at most what the model leaves on the GPU.",
+        show_default=False)] = None,
+    block_size: Annotated[Optional[int], typer.Option(
+        help="Tokens per KV block. Default 16 (fuzz: drawn from 4, 8, 16, 32).", show_default=False)] = None,
+    model: Annotated[str, typer.Option(help="Catalog model or HF config.json: the cost model and the GPU block cap.")] = "llama-3.1-8b",
+    gpu: Annotated[str, typer.Option(help="GPU from the catalog: h100-80gb, h200, a100-80gb, l40s.")] = "h100-80gb",
+    budget: Annotated[str, typer.Option(help="Tokens each request keeps: a ratio ('50%', '0.5') or a count ('512').")] = "50%",
+    eviction_interval: Annotated[int, typer.Option(help="Run the policy after prefill and every N generated tokens.")] = 32,
+    concurrency: Annotated[int, typer.Option(help="Closed-loop clients.")] = 8,
+    theta_f: Annotated[float, typer.Option("--theta-f", help="Reclaim when the waste ratio F is at least this (low: many relocations).")] = 0.05,
+    reclaim_interval: Annotated[int, typer.Option(help="Check reclaim eligibility every N iterations.")] = 1,
+    max_requests: Annotated[int, typer.Option(help="Replay the first N requests of each trace (0: all).")] = 32,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Cap prompts at N tokens (0: no cap).")] = 4096,
+    max_output_tokens: Annotated[int, typer.Option(help="Cap outputs at N tokens (0: no cap).")] = 256,
+    trace_format: Annotated[str, typer.Option("--format", help=f"Trace format: {', '.join(TRACE_FORMATS)}.")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")] = False,
+    output: Annotated[Optional[Path], typer.Option(help="Write report.json and runs.csv into this directory.")] = None,
+    force: Annotated[bool, typer.Option(help="Replace a non-empty --output directory.")] = False,
+) -> None:
+    """Replay traces through the vtoken runtime with materialized KV and check the substrate
+    invariants I1-I4 on every relocation event; exit 1 on any violation."""
+    options = CheckOptions(
+        policies=_policies(policy), reclaim_modes=_reclaim_modes(reclaim_mode), executor=executor, fault=inject_fault,
+        num_fuzz_scenarios=fuzz, num_blocks=num_blocks, block_size=block_size,
+        limits=TraceLimits(max_requests or None, max_prompt_tokens or None, max_output_tokens or None),
+    )
+    if output is not None:
+        check_output_dir(output, force)
+    if reclaim_interval <= 0:
+        raise ConfigError(f"--reclaim-interval must be > 0 iterations, got {reclaim_interval}")
+    config = build_run_config(
+        model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=0.9, block_size=block_size or 16,
+        policy=options.policies[0], budget=budget, eviction_interval=eviction_interval, reclaim_mode=options.reclaim_modes[0],
+        theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=None,
+    )
+    config = replace(config, reclaim=replace(config.reclaim, check_interval_steps=reclaim_interval))
+    paths = [trace] if trace is not None else ([] if fuzz else bundled_sample_traces())
+    traces = [load_trace(path, trace_format) for path in paths]
+    with Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=stderr, transient=True) as bar:
+        task = bar.add_task("checking", total=num_progress_units(traces, config, options))
+        report = check_invariants(traces, config, options, lambda stage, n: bar.update(task, advance=n, description=stage))
+    payload = report_to_json(report)
+    if output is not None:
+        write_output_dir(output, _writers(payload), force)
+        stderr.print(f"wrote {output}/ (report.json, runs.csv)", highlight=False)
+    if json_out:
+        typer.echo(json.dumps(payload, indent=2))
+    else:
+        stdout.print(check_report(report), soft_wrap=False)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    if text.strip() == "all":
+        return DEFAULT_AUDIT_POLICIES
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _reclaim_modes(text: str) -> tuple[str, ...]:
+    if text.strip() == "both":
+        return RECLAIM_MODES
+    if text.strip() not in RECLAIM_MODES:
+        raise ConfigError(f"unknown reclaim mode '{text}'; choose one of: {', '.join(RECLAIM_MODES)} or 'both'")
+    return (text.strip(),)
+
+
+def _writers(payload: dict) -> list:
+    def write_json(d: Path) -> None:
+        (d / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+    def write_csv(d: Path) -> None:
+        rows = []
+        for run in payload["runs"]:
+            row = {k: v for k, v in run.items() if k != "invariants"}
+            for name, tally in run["invariants"].items():
+                row[f"{name}_checked"], row[f"{name}_violations"] = tally["checked"], tally["violations"]
+            rows.append(row)
+        pd.DataFrame(rows).to_csv(d / "runs.csv", index=False)
+
+    return [write_json, write_csv]
+
+
+# ---- rendering ----------------------------------------------------------------------------------
+
+
+def check_report(report: CheckReport) -> Group:
+    parts: list[RenderableType] = [_header(report), _invariant_table(report), _policy_mode_table(report)]
+    messages = [f"{name}: {t.first_violation.message}" for name, t in report.tallies.items() if t.first_violation]
+    if messages:
+        parts.append(Text("\n".join(messages), style="red"))
+    if report.options.fault is not None:
+        parts.append(_fault_line(report))
+    parts.append(_verdict(report))
+    return Group(*parts)
+
+
+def _header(report: CheckReport) -> Text:
+    runs = report.runs
+    scenarios = list(dict.fromkeys(r.scenario for r in runs))
+    lines = [
+        f"{len(runs)} runs over {len(scenarios)} scenarios ({', '.join(scenarios[:4])}{', ...' if len(scenarios) > 4 else ''}); "
+        f"policies {', '.join(report.options.policies)}; reclaim modes {', '.join(report.options.reclaim_modes)}",
+        f"executor {report.options.executor}; KV materialized on {report.device}, copy engine '{report.copy_mode}'"
+        + (" (each copy stays in flight across the next forward)" if report.copy_mode == "deferred" else ""),
+    ]
+    lines += [f"note: {note}" for note in report.notes]
+    return Text("\n".join(lines))
+
+
+def _invariant_table(report: CheckReport) -> Table:
+    table = Table(title="Invariants", title_justify="left")
+    for column in ("", "invariant", "checked", "what one check is", "violations", "request", "token", "block", "offset", "in run"):
+        table.add_column(column, justify="right" if column in ("checked", "violations", "token", "block", "offset") else "left")
+    for name, tally in report.tallies.items():
+        v = tally.first_violation
+        where = ["-"] * 5 if v is None else [
+            _show(v.request_id), _show(v.token_id), _show(v.block_id), _show(v.offset), f"{v.scenario} {v.policy}/{v.reclaim_mode}",
+        ]
+        table.add_row(_mark(tally), f"{name} {INVARIANT_NAMES[name]}", f"{tally.checked:,}", CHECK_UNITS[name],
+                      Text(f"{tally.violations:,}", style="red" if tally.violations else ""), *where)
+    return table
+
+
+def _policy_mode_table(report: CheckReport) -> Table:
+    table = Table(title="Per policy and reclaim mode (all scenarios)", title_justify="left")
+    for column in ("policy", "mode", "runs", "relocations", "tokens moved", *INVARIANTS, "status"):
+        table.add_column(column, justify="left" if column in ("policy", "mode", "status") else "right")
+    for group in report.by_policy_mode():
+        tallies = group.tallies
+        table.add_row(group.policy, group.reclaim_mode, str(len(group.runs)), f"{group.relocation_events:,}",
+                      f"{group.tokens_moved:,}", *(_cell(tallies[name]) for name in INVARIANTS),
+                      Text("ok" if group.passed else "FAILED", style="green" if group.passed else "bold red"))
+    return table
+
+
+def _cell(tally: Tally) -> Text:
+    if tally.violations:
+        return Text(f"{tally.violations}/{tally.checked:,} failed", style="red")
+    return Text(f"{tally.checked:,}", style="green")
+
+
+def _mark(tally: Tally) -> Text:
+    return Text("✗", style="bold red") if tally.violations else Text("✓", style="bold green")
+
+
+def _fault_line(report: CheckReport) -> Text:
+    fault = report.options.fault
+    expected = FAULT_DETECTED_BY[fault]
+    num_injected = sum(r.faults_injected for r in report.runs)
+    caught_by = [name for name, t in report.tallies.items() if t.violations]
+    if num_injected == 0:
+        return Text(f"fault {fault}: never injected (no event these scenarios offer it); nothing was tested", style="yellow")
+    if not caught_by:
+        return Text(f"fault {fault}: injected {num_injected} times and NOT detected (expected {expected})", style="bold red")
+    return Text(f"fault {fault}: injected {num_injected} times; detected by {', '.join(caught_by)} (expected {expected})",
+                style="green" if caught_by[0] == expected else "yellow")
+
+
+def _verdict(report: CheckReport) -> Text:
+    stopped = [r for r in report.runs if r.stopped]
+    rate = f"{report.relocation_events:,} relocation events ({report.tokens_moved:,} tokens moved) in {report.elapsed_s:.1f} s, " \
+           f"{report.relocation_events_per_s:,.0f} events/s"
+    text = Text()
+    if report.passed:
+        text.append("PASSED ", style="bold green")
+        text.append(f"I1-I4 held on every event: {rate}")
+    else:
+        failed = [name for name, t in report.tallies.items() if t.violations]
+        text.append("FAILED ", style="bold red")
+        text.append(f"{', '.join(failed)} violated: {rate}")
+    if stopped:
+        text.append(f"\n{len(stopped)} runs stopped early, e.g. {stopped[0].scenario} {stopped[0].policy}/{stopped[0].reclaim_mode}: "
+                    f"{stopped[0].stopped}")
+    return text
+
+
+def _show(value) -> str:
+    return "-" if value is None else str(value)
