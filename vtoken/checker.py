@@ -11,8 +11,10 @@ real copy engine over a small KV tensor, and an observer that sees every event:
     on_plan_completed  I2  one slot per live token over all tables, counts agree with the pool
                        I1  the same live ids, and every live token's mapped slot holds its K/V
 
-On CPU the copy engine runs `deferred` (data lands one step after launch) so that the ordering
-the runtime must respect really has a window; on CUDA it runs `async` on a side stream.
+Every copy stays in flight across the next forward, so that the ordering the runtime must
+respect really has a window: on CPU the copy engine runs `deferred` and its data lands only
+after that forward (`OverlappingDeferredCopyEngine`); on CUDA it runs `async` on a side stream
+and its completion is reported only after that forward (`ReportAfterForwardCopyEngine`).
 
 Violations are recorded, not raised. A run goes on after an I1 or I3 violation (after an I1
 content loss the checker restores the lost K/V, so one lost copy is reported once and not again
@@ -43,6 +45,7 @@ import torch
 
 from vtoken.engine.config import EvictionConfig, RunConfig
 from vtoken.engine.runtime import Runtime
+from vtoken.engine.scheduler import Batch
 from vtoken.engine.sim import SimExecutor
 from vtoken.errors import ConfigError, InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_contents, check_plan, check_unique_mapping, check_visibility
@@ -192,18 +195,17 @@ class RunCheck:
         return all(t.violations == 0 for t in self.tallies.values())
 
 
-@dataclass(frozen=True)
-class CheckReport:
+class _Totals:
+    """Totals over `self.runs`."""
+
     runs: tuple[RunCheck, ...]
-    options: CheckOptions
-    device: str
-    copy_mode: str
-    notes: tuple[str, ...]
-    elapsed_s: float
 
     @property
     def tallies(self) -> dict[str, Tally]:
-        return sum_tallies(self.runs)
+        total = {name: Tally() for name in INVARIANTS}
+        for run in self.runs:
+            total = {name: total[name].plus(run.tallies[name]) for name in INVARIANTS}
+        return total
 
     @property
     def passed(self) -> bool:
@@ -216,6 +218,26 @@ class CheckReport:
     @property
     def tokens_moved(self) -> int:
         return sum(run.tokens_moved for run in self.runs)
+
+
+@dataclass(frozen=True)
+class GroupTotal(_Totals):
+    """The runs of one (policy, reclaim mode) over every scenario."""
+
+    policy: str
+    reclaim_mode: str
+    runs: tuple[RunCheck, ...]
+
+
+@dataclass(frozen=True)
+class CheckReport(_Totals):
+    runs: tuple[RunCheck, ...]
+    base: RunConfig  # what every trace scenario starts from (fuzz draws replace most of it)
+    options: CheckOptions
+    device: str
+    copy_mode: str
+    notes: tuple[str, ...]  # how the traces were cut down
+    elapsed_s: float
 
     @property
     def relocation_events_per_s(self) -> float:
@@ -227,36 +249,6 @@ class CheckReport:
         for run in self.runs:
             groups.setdefault((run.policy, run.reclaim_mode), []).append(run)
         return [GroupTotal(policy, mode, tuple(runs)) for (policy, mode), runs in groups.items()]
-
-
-@dataclass(frozen=True)
-class GroupTotal:
-    policy: str
-    reclaim_mode: str
-    runs: tuple[RunCheck, ...]
-
-    @property
-    def tallies(self) -> dict[str, Tally]:
-        return sum_tallies(self.runs)
-
-    @property
-    def passed(self) -> bool:
-        return all(run.passed for run in self.runs)
-
-    @property
-    def relocation_events(self) -> int:
-        return sum(run.relocation_events for run in self.runs)
-
-    @property
-    def tokens_moved(self) -> int:
-        return sum(run.tokens_moved for run in self.runs)
-
-
-def sum_tallies(runs: Sequence[RunCheck]) -> dict[str, Tally]:
-    total = {name: Tally() for name in INVARIANTS}
-    for run in runs:
-        total = {name: total[name].plus(run.tallies[name]) for name in INVARIANTS}
-    return total
 
 
 Progress = Callable[[str, int], None]  # (what is running, requests done)
@@ -291,7 +283,8 @@ def check_invariants(traces: Sequence[Trace], base: RunConfig, options: CheckOpt
         book = books.setdefault(id(scenario.requests), KVBook(scenario.requests))
         on_progress = (lambda n, s=scenario: progress(_describe(s), n)) if progress else None
         runs.append(check_scenario(scenario, options.fault, device, book, on_progress))
-    return CheckReport(tuple(runs), options, device, copy_mode_for(device), tuple(notes), time.perf_counter() - started)
+    elapsed_s = time.perf_counter() - started
+    return CheckReport(tuple(runs), base, options, device, copy_mode_for(device), tuple(notes), elapsed_s)
 
 
 def num_progress_units(traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
@@ -322,8 +315,11 @@ def copy_mode_for(device: str) -> str:
 
 
 def make_copy_engine(kv_cache: PagedKVCache) -> CopyEngine:
+    """The copy engine of a checked run: every plan stays in flight across the next forward."""
     engine = CopyEngine(kv_cache, copy_mode_for(kv_cache.device.type))
-    return OverlappingDeferredCopyEngine(engine) if engine.mode == "deferred" else engine
+    if engine.mode == "deferred":
+        return OverlappingDeferredCopyEngine(engine)
+    return ReportAfterForwardCopyEngine(engine)
 
 
 def check_scenario(scenario: Scenario, fault: str | None = None, device: str = "cpu", book: KVBook | None = None,
@@ -407,7 +403,8 @@ class CheckingObserver:
         return None
 
     def tallies(self) -> dict[str, Tally]:
-        return {name: Tally(self._num_checked[name], self._num_violations[name], self._first.get(name)) for name in INVARIANTS}
+        return {name: Tally(self._num_checked[name], self._num_violations[name], self._first.get(name))
+                for name in INVARIANTS}
 
     # ---- events --------------------------------------------------------------------------
 
@@ -418,7 +415,7 @@ class CheckingObserver:
         slots = table.block_ids[token_ids] * self.block_size + table.offsets[token_ids]
         self.contents.write(table, token_ids, slots)
 
-    def on_forward(self, batch, in_flight_plans: list[RelocationPlan]) -> None:
+    def on_forward(self, batch: Batch, in_flight_plans: list[RelocationPlan]) -> None:
         self._num_forwards += 1
         if self._num_forwards % I2_EVERY_NUM_FORWARDS == 0:
             self._check_mapping()
@@ -434,15 +431,16 @@ class CheckingObserver:
     def on_plan_completed(self, plan: RelocationPlan, table: TokenTable, live_ids_before: np.ndarray) -> None:
         self.num_relocations += 1
         self.num_tokens_moved += self._num_tokens_launched.pop(plan.req_id, plan.num_tokens_moved)
-        if not self._check_mapping():
-            raise _RunStopped("stopped after an I2 violation: the token mapping is corrupt")
+        self._check_mapping()
         self._check("I1", lambda: self._check_conservation(table, live_ids_before))
 
     # ---- checks --------------------------------------------------------------------------
 
-    def _check_mapping(self) -> bool:
+    def _check_mapping(self) -> None:
+        """I2 over every table and the pool; a corrupt mapping ends the run."""
         tables = [s.table for s in self.runtime.scheduler.running]
-        return self._check("I2", lambda: check_unique_mapping(self.runtime.pool, tables))
+        if not self._check("I2", lambda: check_unique_mapping(self.runtime.pool, tables)):
+            raise _RunStopped("stopped after an I2 violation: the token mapping is corrupt")
 
     def _check_conservation(self, table: TokenTable, live_ids_before: np.ndarray) -> None:
         """I1: same live ids; each live token's mapped slot holds its own K/V. A loss is
@@ -471,14 +469,16 @@ class CheckingObserver:
             self._raise_read(table, int(live_ids[i]), int(read_slots[i]),
                              f"reads K/V that is not its own ({int(mismatched.sum())} tokens differ)")
 
-    def _raise_stale_read(self, table: TokenTable, live_ids: np.ndarray, read_slots: np.ndarray, mapped: np.ndarray) -> None:
+    def _raise_stale_read(self, table: TokenTable, live_ids: np.ndarray, read_slots: np.ndarray,
+                          mapped: np.ndarray) -> None:
         if read_slots.size != mapped.size:
             raise InvariantError("I3", f"request {table.req_id} reads {read_slots.size} slots for {mapped.size} live tokens",
                                  req_id=table.req_id)
         i = int(np.flatnonzero(read_slots != mapped)[0])
         slot = int(mapped[i])
+        S = self.block_size
         self._raise_read(table, int(live_ids[i]), int(read_slots[i]),
-                         f"reads a slot the token left: it lives at block {slot // self.block_size} offset {slot % self.block_size}")
+                         f"reads a slot the token left: it lives at block {slot // S} offset {slot % S}")
 
     def _raise_read(self, table: TokenTable, token_id: int, slot: int, what: str) -> None:
         S = self.block_size
@@ -520,36 +520,21 @@ class CheckingObserver:
 
 def check_plan_independently(plan: RelocationPlan, table: TokenTable, pool: BlockPool,
                              in_flight_plans: Sequence[RelocationPlan]) -> None:
-    """I4 re-derived from the state: `check_plan` against the copy engine's own in-flight list,
-    then every move must start at its token's current slot and land on a slot the request
-    holds (or a fresh block of the plan) where no live token stays."""
+    """I4 re-derived from the state: `check_plan` against the copy engine's own in-flight list
+    (not the runtime's busy set), then every move starts at its token's current slot and every
+    fresh destination block is still free."""
     check_plan(plan, table, pool, frozenset(p.req_id for p in in_flight_plans))
-    moves, S = plan.moves, table.block_size
-
-    def fail(message: str, token_id: int, block_id: int, offset: int) -> None:
-        raise InvariantError("I4", f"request {plan.req_id} plan: {message}", req_id=plan.req_id,
-                             token_id=token_id, block_id=block_id, offset=offset)
-
-    ids = moves.token_ids
-    stale = (table.block_ids[ids] != moves.src_block_ids) | (table.offsets[ids] != moves.src_offsets)
+    moves = plan.moves
+    stale = (table.block_ids[moves.token_ids] != moves.src_block_ids) | (table.offsets[moves.token_ids] != moves.src_offsets)
     if np.any(stale):
         i = int(np.flatnonzero(stale)[0])
-        fail(f"moves token {int(ids[i])} from a slot it does not occupy", int(ids[i]), int(moves.src_block_ids[i]), int(moves.src_offsets[i]))
-    not_free = plan.dst_new_block_ids[pool.ref_counts[plan.dst_new_block_ids] != 0]
-    if not_free.size:
-        fail(f"takes destination block {int(not_free[0])} that is not free", -1, int(not_free[0]), -1)
-    allowed = np.concatenate((np.asarray(table.block_ids_held, dtype=np.int64), plan.dst_new_block_ids))
-    foreign = ~np.isin(moves.dst_block_ids, allowed)
-    if np.any(foreign):
-        i = int(np.flatnonzero(foreign)[0])
-        fail(f"moves token {int(ids[i])} into block {int(moves.dst_block_ids[i])} the request does not hold",
-             int(ids[i]), int(moves.dst_block_ids[i]), int(moves.dst_offsets[i]))
-    staying = np.setdiff1d(table.live_token_ids(), ids)
-    dst_slots = moves.dst_slots(S)
-    taken = np.isin(dst_slots, table.block_ids[staying] * S + table.offsets[staying])
-    if np.any(taken) or np.unique(dst_slots).size != dst_slots.size:
-        i = int(np.flatnonzero(taken)[0]) if np.any(taken) else 0
-        fail(f"moves token {int(ids[i])} onto an occupied slot", int(ids[i]), int(dst_slots[i] // S), int(dst_slots[i] % S))
+        token_id, block_id, offset = int(moves.token_ids[i]), int(moves.src_block_ids[i]), int(moves.src_offsets[i])
+        raise InvariantError("I4", f"request {plan.req_id} plan: moves token {token_id} from block {block_id} offset {offset}, "
+                             "which it does not occupy", req_id=plan.req_id, token_id=token_id, block_id=block_id, offset=offset)
+    taken = plan.dst_new_block_ids[pool.ref_counts[plan.dst_new_block_ids] != 0]
+    if taken.size:
+        raise InvariantError("I4", f"request {plan.req_id} plan: destination block {int(taken[0])} is not free",
+                             req_id=plan.req_id, block_id=int(taken[0]))
 
 
 # ---- materialized K/V ----------------------------------------------------------------------------
@@ -622,9 +607,6 @@ class KVContents:
         self.book = book
         self._kv_cache = kv_cache
         self._host_view = kv_cache.flat.numpy() if kv_cache.device.type == "cpu" else None
-
-    def expected(self, table: TokenTable, token_ids: np.ndarray) -> np.ndarray:
-        return self.book.expected(table, token_ids)
 
     def write(self, table: TokenTable, token_ids: np.ndarray, slots: np.ndarray) -> None:
         self._kv_cache.write(torch.from_numpy(slots), torch.from_numpy(self.book.expected(table, token_ids)))
@@ -721,11 +703,58 @@ class OverlappingDeferredCopyEngine(_CopyEngineWrapper):
         return self._inner.drain()
 
 
+class ReportAfterForwardCopyEngine(_CopyEngineWrapper):
+    """`async` copies (CUDA) whose completion is reported only once a forward ran while they
+    were in flight. A small copy on the side stream may land before the host polls again; the
+    runtime must behave the same when it has not, and this makes that case happen every time."""
+
+    def __init__(self, inner: CopyEngine) -> None:
+        super().__init__(inner)
+        self._landed: list[RelocationPlan] = []  # completed by the inner engine, not reported yet
+        self._num_forwards: dict[int, int] = {}  # id(plan) -> forwards begun since its launch
+
+    @property
+    def in_flight_plans(self) -> list[RelocationPlan]:
+        return self._landed + self._inner.in_flight_plans
+
+    def launch(self, plan: RelocationPlan) -> None:
+        self._inner.launch(plan)
+        self._num_forwards[id(plan)] = 0
+
+    def wait_before_forward(self) -> None:
+        self._inner.wait_before_forward()
+        for key in self._num_forwards:
+            self._num_forwards[key] += 1
+
+    def poll_completed(self) -> list[RelocationPlan]:
+        # the first forward begins right after the poll that follows its wait: 2 = one forward passed
+        self._landed += self._inner.poll_completed()
+        ready = [p for p in self._landed if self._num_forwards[id(p)] >= 2]
+        self._landed = [p for p in self._landed if self._num_forwards[id(p)] < 2]
+        for plan in ready:
+            del self._num_forwards[id(plan)]
+        return ready
+
+    def cancel(self, req_id: int) -> None:
+        for plan in self.in_flight_plans:
+            if plan.req_id == req_id:
+                del self._num_forwards[id(plan)]
+        self._landed = [p for p in self._landed if p.req_id != req_id]
+        self._inner.cancel(req_id)
+
+    def drain(self) -> list[RelocationPlan]:
+        plans = self._landed + self._inner.drain()
+        self._landed = []
+        self._num_forwards.clear()
+        return plans
+
+
 class _SubstitutingCopyEngine(_CopyEngineWrapper):
     """Launches a substitute of each plan (what is really copied) while the runtime sees the
     original in flight, and a third version of it when it completes."""
 
-    def __init__(self, inner: CopyEngine, substitute: Callable[[RelocationPlan], tuple[RelocationPlan, RelocationPlan]]) -> None:
+    def __init__(self, inner: CopyEngine,
+                 substitute: Callable[[RelocationPlan], tuple[RelocationPlan, RelocationPlan]]) -> None:
         super().__init__(inner)
         self._substitute = substitute
         self._reported: dict[int, tuple[RelocationPlan, RelocationPlan]] = {}  # id(launched) -> (in flight, completed)
@@ -796,22 +825,33 @@ class EarlyRead(Fault):
 
 
 class StaleSlot(Fault):
-    """`apply_moves` forgets to refresh the table's slot cache: attention keeps reading the
-    sources, which are freed and reused."""
+    """The slot cache is not refreshed after a move: `slots()` keeps naming the sources of the
+    table's last relocation, which are freed and reused. The mapping and the data are right."""
 
     kind = "stale-slot"
 
     def adopt_table(self, table: TokenTable) -> None:
-        apply_moves = table.apply_moves
+        apply_moves, slots = table.apply_moves, table.slots
+        old_slot_of: dict[int, int] = {}  # token id -> its slot before the last relocation
 
-        def apply_moves_keeping_stale_slots(moves: Moves) -> None:
-            stale_slots = table.slots()
+        def apply_moves_without_refresh(moves: Moves) -> None:
             apply_moves(moves)
             if moves.num_moves:
-                table._slots = stale_slots
+                old_slot_of.clear()
+                old_slot_of.update(zip(moves.token_ids.tolist(), moves.src_slots(table.block_size).tolist()))
                 self.num_injected += 1
 
-        table.apply_moves = apply_moves_keeping_stale_slots
+        def stale_slots() -> np.ndarray:
+            live_ids = table.live_token_ids()
+            moved = np.fromiter(old_slot_of, dtype=np.int64, count=len(old_slot_of))
+            moved = moved[np.isin(moved, live_ids)]
+            if moved.size == 0:
+                return slots()
+            read_slots = slots().copy()
+            read_slots[np.searchsorted(live_ids, moved)] = [old_slot_of[t] for t in moved.tolist()]
+            return read_slots
+
+        table.apply_moves, table.slots = apply_moves_without_refresh, stale_slots
 
 
 class DoubleMap(Fault):
@@ -827,15 +867,15 @@ class DoubleMap(Fault):
             live = moves.token_ids[table.live[moves.token_ids]]
             if live.size >= 2:
                 first, last = int(live[0]), int(live[-1])
-                table._block_ids[last], table._offsets[last] = table._block_ids[first], table._offsets[first]
-                table._slots = None
+                table.block_ids[last], table.offsets[last] = table.block_ids[first], table.offsets[first]  # views
                 self.num_injected += 1
 
         table.apply_moves = apply_moves_mapping_twice
 
 
 class _SharedBlockPlanner:
-    """A reclaimer whose plans for requests holding a pinned prefix also take its last block."""
+    """A reclaimer whose plans also free a shared prefix block: the request's own pinned prefix
+    block if it holds one, else a block another request shares (reference count above one)."""
 
     def __init__(self, inner, fault: SharedBlock) -> None:
         self._inner = inner
@@ -847,17 +887,24 @@ class _SharedBlockPlanner:
     def plan(self, tables, busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
         tables = list(tables)
         by_id = {t.req_id: t for t in tables}
-        return [self._with_prefix_block(plan, by_id[plan.req_id]) for plan in self._inner.plan(tables, busy_req_ids)]
+        return [self._with_shared_block(plan, by_id[plan.req_id], tables) for plan in self._inner.plan(tables, busy_req_ids)]
 
-    def _with_prefix_block(self, plan: RelocationPlan, table: TokenTable) -> RelocationPlan:
-        if table.num_pinned_blocks == 0:
-            return plan
+    def _with_shared_block(self, plan: RelocationPlan, table: TokenTable, tables: list[TokenTable]) -> RelocationPlan:
+        if table.num_pinned_blocks:
+            block_id = table.block_ids_held[table.num_pinned_blocks - 1]
+        else:
+            shared = [b for t in tables for b in t.block_ids_held[: t.num_pinned_blocks] if table.pool.ref_counts[b] > 1]
+            if not shared:
+                return plan
+            block_id = shared[0]
         self._fault.num_injected += 1
-        prefix_block = table.block_ids_held[table.num_pinned_blocks - 1]
-        return replace(plan, src_block_ids=np.sort(np.append(plan.src_block_ids, prefix_block)))
+        return replace(plan, src_block_ids=np.sort(np.append(plan.src_block_ids, block_id)))
 
 
 class SharedBlock(Fault):
+    """Plans also free a shared prefix block (see `_SharedBlockPlanner`). The runtime's own
+    `check_plan` gate raises before launch; the run records that I4 violation and stops."""
+
     kind = "shared-block"
 
     def wrap_runtime(self, runtime: Runtime) -> None:
@@ -959,9 +1006,11 @@ def fuzz_scenario(index: int, base: RunConfig, options: CheckOptions) -> Scenari
         eviction=EvictionConfig(str(rng.choice(options.policies)), keep, int(rng.choice([1, 4, 8, 16, 32]))),
         reclaim=reclaim,
     )
-    peaks = [-(-(r.num_prompt_tokens + r.num_output_tokens) // block_size) for r in requests]
-    num_blocks = options.num_blocks or max(int(rng.uniform(0.3, 1.2) * sum(sorted(peaks)[-(concurrency or len(peaks)):])),
-                                           max(peaks) + reclaim.num_headroom_blocks + 1)
+    # From starved (long requests dropped, preemption) to roomy; the floor admits most requests.
+    peaks = sorted(-(-(r.num_prompt_tokens + r.num_output_tokens) // block_size) for r in requests)
+    num_resident_peak = sum(peaks[-(concurrency or len(peaks)):])
+    num_floor = int(rng.uniform(0.5, 1.0) * peaks[-1]) + reclaim.num_headroom_blocks + 1
+    num_blocks = options.num_blocks or max(int(rng.uniform(0.1, 1.0) * num_resident_peak), num_floor)
     return Scenario(f"fuzz-{index:03d}", requests, replace(config, num_blocks=num_blocks))
 
 
@@ -1003,14 +1052,23 @@ def report_to_json(report: CheckReport) -> dict:
             "kind": report.options.fault, "expected_invariant": FAULT_DETECTED_BY[report.options.fault],
             "num_injected": sum(r.faults_injected for r in report.runs),
         },
-        "config": {
-            "executor": report.options.executor, "device": report.device, "copy_mode": report.copy_mode,
-            "kv_shape": {"num_layers": KV_NUM_LAYERS, "num_kv_heads": KV_NUM_HEADS, "head_dim": KV_HEAD_DIM,
-                         "dtype": str(KV_DTYPE).removeprefix("torch.")},
-            "policies": list(report.options.policies), "reclaim_modes": list(report.options.reclaim_modes),
-            "num_fuzz_scenarios": report.options.num_fuzz_scenarios,
-        },
+        "config": _config_json(report),
         "notes": list(report.notes),
+    }
+
+
+def _config_json(report: CheckReport) -> dict:
+    base, options = report.base, report.options
+    return {
+        "executor": options.executor, "device": report.device, "copy_mode": report.copy_mode,
+        "kv_shape": {"num_layers": KV_NUM_LAYERS, "num_kv_heads": KV_NUM_HEADS, "head_dim": KV_HEAD_DIM,
+                     "dtype": str(KV_DTYPE).removeprefix("torch.")},
+        "model": base.model.name, "gpu": base.gpu.name, "block_size": options.block_size or base.block_size,
+        "num_blocks": options.num_blocks, "budget": base.eviction.budget.describe(),
+        "eviction_interval_tokens": base.eviction.interval_tokens, "concurrency": base.concurrency,
+        "theta_f": base.reclaim.theta_f, "reclaim_check_interval_steps": base.reclaim.check_interval_steps,
+        "seed": base.seed, "policies": list(options.policies), "reclaim_modes": list(options.reclaim_modes),
+        "num_fuzz_scenarios": options.num_fuzz_scenarios, "limits": vars(options.limits).copy(),
     }
 
 

@@ -20,8 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from vtoken.checker import (
-    CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, INVARIANT_NAMES, INVARIANTS, CheckOptions, CheckReport, Tally,
-    TraceLimits, bundled_sample_traces, check_invariants, num_progress_units, report_to_json,
+    CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, INVARIANT_NAMES, INVARIANTS, PRESSURE, CheckOptions, CheckReport,
+    Tally, TraceLimits, bundled_sample_traces, check_invariants, num_progress_units, report_to_json,
 )
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES
@@ -37,27 +37,31 @@ def check_command(
     trace: Annotated[Optional[Path], typer.Argument(
         help="Trace to replay. Default: every bundled sample trace (sample_traces/).", show_default=False)] = None,
     policy: Annotated[str, typer.Option(
-        help=f"Policy, comma-separated policies, or 'all' ({', '.join(DEFAULT_AUDIT_POLICIES)}). Known: {', '.join(POLICIES)}.")] = "all",
+        help=f"Policy, comma-separated policies, or 'all' ({', '.join(DEFAULT_AUDIT_POLICIES)}). "
+             f"Known: {', '.join(POLICIES)}.")] = "all",
     reclaim_mode: Annotated[str, typer.Option(help=f"Reclaim planning mode: {', '.join(RECLAIM_MODES)} or 'both'.")] = "both",
     executor: Annotated[str, typer.Option(help=f"Executor: {', '.join(EXECUTORS)} (cost model, no weights).")] = "sim",
     inject_fault: Annotated[Optional[str], typer.Option(
-        help=f"Inject a fault the checker must catch: {', '.join(FAULT_KINDS)}.", show_default=False)] = None,
+        help="Inject a fault the checker must catch, and the invariant that catches it: "
+             + ", ".join(f"{kind} ({FAULT_DETECTED_BY[kind]})" for kind in FAULT_KINDS) + ".", show_default=False)] = None,
     fuzz: Annotated[int, typer.Option(
         help="Also run N random scenarios (requests, shared prefixes, budgets, policies, block sizes); "
              "without TRACE, only those.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the synthetic attention, the random policy and the fuzz draws.")] = 0,
     num_blocks: Annotated[Optional[int], typer.Option(
-        help="KV block budget. Default: per trace, 60% of the peak blocks of the `concurrency` largest requests "
-             "(pressure: relocation, preemption, block reuse), at most what the model leaves on the GPU.",
+        help=f"KV block budget. Default: per trace, {PRESSURE:.0%} of the peak blocks of the `concurrency` largest "
+             "requests (pressure: relocation, preemption, block reuse), at most what the model leaves on the GPU.",
         show_default=False)] = None,
     block_size: Annotated[Optional[int], typer.Option(
         help="Tokens per KV block. Default 16 (fuzz: drawn from 4, 8, 16, 32).", show_default=False)] = None,
-    model: Annotated[str, typer.Option(help="Catalog model or HF config.json: the cost model and the GPU block cap.")] = "llama-3.1-8b",
+    model: Annotated[str, typer.Option(
+        help="Catalog model or HF config.json: the cost model and the GPU block cap.")] = "llama-3.1-8b",
     gpu: Annotated[str, typer.Option(help="GPU from the catalog: h100-80gb, h200, a100-80gb, l40s.")] = "h100-80gb",
     budget: Annotated[str, typer.Option(help="Tokens each request keeps: a ratio ('50%', '0.5') or a count ('512').")] = "50%",
     eviction_interval: Annotated[int, typer.Option(help="Run the policy after prefill and every N generated tokens.")] = 32,
     concurrency: Annotated[int, typer.Option(help="Closed-loop clients.")] = 8,
-    theta_f: Annotated[float, typer.Option("--theta-f", help="Reclaim when the waste ratio F is at least this (low: many relocations).")] = 0.05,
+    theta_f: Annotated[float, typer.Option(
+        "--theta-f", help="Reclaim when the waste ratio F is at least this (low: many relocations).")] = 0.05,
     reclaim_interval: Annotated[int, typer.Option(help="Check reclaim eligibility every N iterations.")] = 1,
     max_requests: Annotated[int, typer.Option(help="Replay the first N requests of each trace (0: all).")] = 32,
     max_prompt_tokens: Annotated[int, typer.Option(help="Cap prompts at N tokens (0: no cap).")] = 4096,
@@ -80,8 +84,8 @@ def check_command(
         raise ConfigError(f"--reclaim-interval must be > 0 iterations, got {reclaim_interval}")
     config = build_run_config(
         model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=0.9, block_size=block_size or 16,
-        policy=options.policies[0], budget=budget, eviction_interval=eviction_interval, reclaim_mode=options.reclaim_modes[0],
-        theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=None,
+        policy=options.policies[0], budget=budget, eviction_interval=eviction_interval,
+        reclaim_mode=options.reclaim_modes[0], theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=None,
     )
     config = replace(config, reclaim=replace(config.reclaim, check_interval_steps=reclaim_interval))
     paths = [trace] if trace is not None else ([] if fuzz else bundled_sample_traces())
@@ -89,7 +93,8 @@ def check_command(
     with Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=stderr, transient=True) as bar:
         task = bar.add_task("checking", total=num_progress_units(traces, config, options))
-        report = check_invariants(traces, config, options, lambda stage, n: bar.update(task, advance=n, description=stage))
+        report = check_invariants(traces, config, options,
+                                  lambda stage, n: bar.update(task, advance=n, description=stage))
     payload = report_to_json(report)
     if output is not None:
         write_output_dir(output, _writers(payload), force)
@@ -160,34 +165,37 @@ def _header(report: CheckReport) -> Text:
 
 
 def _invariant_table(report: CheckReport) -> Table:
-    table = Table(title="Invariants", title_justify="left")
-    for column in ("", "invariant", "checked", "what one check is", "violations", "request", "token", "block", "offset", "in run"):
-        table.add_column(column, justify="right" if column in ("checked", "violations", "token", "block", "offset") else "left")
+    caption = "; ".join(f"{name}: {unit}" for name, unit in CHECK_UNITS.items())
+    table = Table(title="Invariants", title_justify="left", caption=f"one check = {caption}", caption_justify="left")
+    for column in ("", "invariant", "checked", "violations", "first violation"):
+        table.add_column(column, justify="right" if column in ("checked", "violations") else "left")
     for name, tally in report.tallies.items():
         v = tally.first_violation
-        where = ["-"] * 5 if v is None else [
-            _show(v.request_id), _show(v.token_id), _show(v.block_id), _show(v.offset), f"{v.scenario} {v.policy}/{v.reclaim_mode}",
-        ]
-        table.add_row(_mark(tally), f"{name} {INVARIANT_NAMES[name]}", f"{tally.checked:,}", CHECK_UNITS[name],
-                      Text(f"{tally.violations:,}", style="red" if tally.violations else ""), *where)
+        first = "-" if v is None else (
+            f"request {_show(v.request_id)} (#{_show(v.req_idx)}), token {_show(v.token_id)}, block {_show(v.block_id)}, "
+            f"offset {_show(v.offset)}"
+            f" ({v.scenario} {v.policy}/{v.reclaim_mode})"
+        )
+        table.add_row(_mark(tally), f"{name} {INVARIANT_NAMES[name]}", f"{tally.checked:,}",
+                      Text(f"{tally.violations:,}", style="red" if tally.violations else ""), first)
     return table
 
 
 def _policy_mode_table(report: CheckReport) -> Table:
     table = Table(title="Per policy and reclaim mode (all scenarios)", title_justify="left")
-    for column in ("policy", "mode", "runs", "relocations", "tokens moved", *INVARIANTS, "status"):
-        table.add_column(column, justify="left" if column in ("policy", "mode", "status") else "right")
+    for column in ("policy", "mode", "relocations", "tokens moved", *INVARIANTS):
+        table.add_column(column, justify="left" if column in ("policy", "mode") else "right")
     for group in report.by_policy_mode():
         tallies = group.tallies
-        table.add_row(group.policy, group.reclaim_mode, str(len(group.runs)), f"{group.relocation_events:,}",
-                      f"{group.tokens_moved:,}", *(_cell(tallies[name]) for name in INVARIANTS),
-                      Text("ok" if group.passed else "FAILED", style="green" if group.passed else "bold red"))
+        table.add_row(group.policy, group.reclaim_mode, f"{group.relocation_events:,}", f"{group.tokens_moved:,}",
+                      *(_cell(tallies[name]) for name in INVARIANTS))
     return table
 
 
 def _cell(tally: Tally) -> Text:
+    """Checks done, in green; or failed/done in red."""
     if tally.violations:
-        return Text(f"{tally.violations}/{tally.checked:,} failed", style="red")
+        return Text(f"{tally.violations:,}✗/{tally.checked:,}", style="bold red")
     return Text(f"{tally.checked:,}", style="green")
 
 
@@ -201,17 +209,18 @@ def _fault_line(report: CheckReport) -> Text:
     num_injected = sum(r.faults_injected for r in report.runs)
     caught_by = [name for name, t in report.tallies.items() if t.violations]
     if num_injected == 0:
-        return Text(f"fault {fault}: never injected (no event these scenarios offer it); nothing was tested", style="yellow")
+        return Text(f"fault {fault}: never injected (these scenarios never offered the chance); nothing was tested",
+                    style="yellow")
     if not caught_by:
         return Text(f"fault {fault}: injected {num_injected} times and NOT detected (expected {expected})", style="bold red")
     return Text(f"fault {fault}: injected {num_injected} times; detected by {', '.join(caught_by)} (expected {expected})",
-                style="green" if caught_by[0] == expected else "yellow")
+                style="green" if caught_by == [expected] else "yellow")
 
 
 def _verdict(report: CheckReport) -> Text:
     stopped = [r for r in report.runs if r.stopped]
-    rate = f"{report.relocation_events:,} relocation events ({report.tokens_moved:,} tokens moved) in {report.elapsed_s:.1f} s, " \
-           f"{report.relocation_events_per_s:,.0f} events/s"
+    rate = (f"{report.relocation_events:,} relocation events ({report.tokens_moved:,} tokens moved) in "
+            f"{report.elapsed_s:.1f} s, {report.relocation_events_per_s:,.0f} events/s")
     text = Text()
     if report.passed:
         text.append("PASSED ", style="bold green")
@@ -221,8 +230,8 @@ def _verdict(report: CheckReport) -> Text:
         text.append("FAILED ", style="bold red")
         text.append(f"{', '.join(failed)} violated: {rate}")
     if stopped:
-        text.append(f"\n{len(stopped)} runs stopped early, e.g. {stopped[0].scenario} {stopped[0].policy}/{stopped[0].reclaim_mode}: "
-                    f"{stopped[0].stopped}")
+        run = stopped[0]
+        text.append(f"\n{len(stopped)} runs stopped early, e.g. {run.scenario} {run.policy}/{run.reclaim_mode}: {run.stopped}")
     return text
 
 

@@ -250,8 +250,9 @@ class Runtime:
             self._num_copied_tokens += plan.num_tokens_moved
             busy = busy | {plan.req_id}
         self._busy_req_ids = busy
-        for plan in self.copy_engine.poll_completed():
-            self._complete(plan)
+        if self.copy_engine.mode == "sync":  # other modes complete after the next forward at the earliest
+            for plan in self.copy_engine.poll_completed():
+                self._complete(plan)
 
     def _complete(self, plan: RelocationPlan) -> None:
         """The copy landed: repoint the moved tokens and free every block left empty."""
