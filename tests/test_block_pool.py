@@ -248,6 +248,24 @@ def test_adjust_live_bounds_raise_and_change_nothing() -> None:
     assert pool.live_counts[:2].tolist() == [0, 4]
 
 
+def test_add_live_is_adjust_live_for_one_block() -> None:
+    scalar, vector = make_pool(), make_pool()
+    for pool in (scalar, vector):
+        pool.allocate(3)
+    for block_id, delta in ((0, 4), (1, 2), (0, -1), (2, 1), (1, -2)):
+        scalar.add_live(block_id, delta)
+        vector.adjust_live(np.array([block_id]), np.array([delta]))
+        assert_same(snapshot(scalar), snapshot(vector))
+    before = snapshot(scalar)
+    for block_id, delta, message in ((0, 2, r"live count of blocks \[0\] would leave \[0, 4\]"),
+                                     (1, -1, r"live count of blocks \[1\] would leave"),
+                                     (5, 1, r"live-count change on free blocks \[5\]"),
+                                     (-1, 1, "out of range")):
+        with pytest.raises(VTokenError, match=message):
+            scalar.add_live(block_id, delta)
+    assert_same(before, snapshot(scalar))
+
+
 # ---- metrics -----------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -28,6 +28,7 @@ S = 4
 NUM_BLOCKS = 48
 MAX_REQUESTS = 6
 SHAPE = KVShape(num_layers=1, num_blocks=NUM_BLOCKS, block_size=S, num_kv_heads=1, head_dim=2)
+VALUES_PER_TOKEN = SHAPE.num_layers * 2 * SHAPE.num_kv_heads * SHAPE.head_dim
 
 
 def token_kv(req_id: int, token_ids: np.ndarray) -> torch.Tensor:
@@ -50,14 +51,17 @@ class SubstrateMachine(RuleBasedStateMachine):
         self.num_plans_launched = 0
 
     @initialize(copy_mode=st.sampled_from(["deferred", "deferred", "sync"]),
-                num_prompt_tokens=st.lists(st.integers(4, 40), min_size=1, max_size=3), seed=st.integers(0, 2**16))
-    def start(self, copy_mode: str, num_prompt_tokens: list[int], seed: int) -> None:
-        """A copy mode, and a few fragmented requests from the start so that short runs reclaim too."""
+                num_prompt_tokens=st.lists(st.integers(4, 40), min_size=1, max_size=3), seed=st.integers(0, 2**16),
+                mode=st.sampled_from(["hole-fill", "ordered"]))
+    def start(self, copy_mode: str, num_prompt_tokens: list[int], seed: int, mode: str) -> None:
+        """A copy mode, and a few fragmented requests with their copies already in flight, so
+        that short runs exercise relocation too."""
         self.engine = CopyEngine(self.kv_cache, copy_mode)
         for num_tokens in num_prompt_tokens:
             self.admit(num_tokens, share_idx=None, num_pin_blocks=num_tokens % 2)
         for idx in range(len(self.tables)):
             self.evict(idx, num_victims=int(0.4 * self.pick(idx).num_tokens) + 1, seed=seed + idx)
+        self.plan_and_launch(mode, max_src_blocks=4)
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -171,6 +175,7 @@ class SubstrateMachine(RuleBasedStateMachine):
         del self.tables[table.req_id]
 
     def teardown(self) -> None:
+        event(f"relocation plans launched: {min(self.num_plans_launched, 5)}{'+' if self.num_plans_launched >= 5 else ''}")
         for plan in self.engine.drain():
             self.complete(plan)
         self.check_every_live_token_reads_its_own_kv()
@@ -193,7 +198,7 @@ class SubstrateMachine(RuleBasedStateMachine):
             assert slots.tolist() == (table.block_ids[token_ids] * S + table.offsets[token_ids]).tolist()
             check_visibility(table.req_id, slots, in_flight, S)  # I3
             got = self.kv_cache.read(torch.as_tensor(slots))
-            mismatched = (got != self.expected_kv(table, token_ids)).transpose(0, 2).reshape(token_ids.size, 4).any(-1).numpy()
+            mismatched = (got != self.expected_kv(table, token_ids)).transpose(0, 2).reshape(token_ids.size, VALUES_PER_TOKEN).any(-1).numpy()
             check_contents(table.req_id, token_ids, slots, mismatched, S)  # I1
 
     @invariant()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vtoken.errors import VTokenError
 from vtoken.kv.block_pool import BlockPool
@@ -149,11 +151,16 @@ def test_slot_cache_is_appended_on_growth_and_rebuilt_once_after_eviction(monkey
 
 
 def test_a_slots_result_taken_earlier_does_not_change_later() -> None:
-    table = make_table(make_pool(), 5)
-    earlier = table.slots()
-    grow(table, 3)
-    table.evict_tokens(np.array([0]))
-    assert earlier.tolist() == [0, 1, 2, 3, 4]
+    table = make_table(make_pool(), 12)
+    taken = []
+    for change in (lambda: grow(table, 3), lambda: table.evict_tokens(np.array([5])),
+                   lambda: table.apply_moves(make_moves([(14, 3, 2, 1, 1)])), lambda: table.evict_tokens(np.array([0, 7]))):
+        slots = table.slots()
+        taken.append((slots, slots.tolist()))
+        change()
+    assert table.slots().tolist() == [1, 2, 3, 4, 6, 8, 9, 10, 11, 12, 13, 5]  # token 14 moved to slot 5
+    for slots, as_taken in taken:
+        assert slots.tolist() == as_taken
 
 
 def test_table_state_is_numpy_arrays_not_python_objects_per_token() -> None:
@@ -167,6 +174,47 @@ def test_table_state_is_numpy_arrays_not_python_objects_per_token() -> None:
     for name, value in vars(table).items():
         if isinstance(value, (list, tuple, dict, set, frozenset)):
             assert len(value) <= table.num_blocks, f"{name} grows with the number of tokens"
+
+
+@st.composite
+def growth_and_eviction_scripts(draw):
+    """Steps of ("grow", n) and ("evict", seed, n, read_slots_between)."""
+    steps = []
+    for _ in range(draw(st.integers(1, 12))):
+        if draw(st.booleans()):
+            steps.append(("grow", draw(st.integers(1, 9))))
+        else:
+            steps.append(("evict", draw(st.integers(0, 2**16)), draw(st.integers(1, 5)), draw(st.booleans())))
+    return steps
+
+
+@settings(max_examples=150, deadline=None)
+@given(script=growth_and_eviction_scripts())
+def test_one_token_at_a_time_ends_where_the_batched_calls_end(script) -> None:
+    """The decode-step shortcuts (one token grown, one token evicted) against the batched paths."""
+    one_by_one, batched = make_table(make_pool(64), 0), make_table(make_pool(64), 0)
+    for step in script:
+        if step[0] == "grow":
+            for _ in range(step[1]):
+                grow(one_by_one, 1)
+            grow(batched, step[1])
+        else:
+            _, seed, num_victims, read_slots_between = step
+            candidates = batched.live_token_ids()
+            if candidates.size == 0:
+                continue
+            victims = np.random.default_rng(seed).choice(candidates, min(num_victims, candidates.size), replace=False)
+            emptied = []
+            for victim in victims.tolist():
+                emptied += one_by_one.evict_tokens(np.array([victim])).tolist()
+                if read_slots_between:
+                    one_by_one.slots()
+            assert sorted(emptied) == evict(batched, victims.tolist())
+            one_by_one.release_blocks(np.array(emptied, dtype=np.int64))
+            one_by_one.pool.free(np.array(emptied, dtype=np.int64))
+        for a, b in zip(state(one_by_one), state(batched), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert one_by_one.slots().tolist() == brute_force_slots(one_by_one)
 
 
 # ---- eviction ----------------------------------------------------------------------------

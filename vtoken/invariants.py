@@ -156,16 +156,22 @@ def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_re
         fail(f"frees block {int(not_held[0])} the request does not hold", block_id=int(not_held[0]))
     if held.size and table.tail_num_written < table.block_size and held[-1] in plan.src_block_ids:
         fail(f"frees the open tail block {int(held[-1])}, where new tokens are appended", block_id=int(held[-1]))
-    live_ids = table.live_token_ids()
-    in_src = live_ids[np.isin(table.block_ids[live_ids], plan.src_block_ids)]
+    in_src = _live_ids_in(table, pool, plan.src_block_ids)
     if not np.array_equal(np.sort(plan.moves.token_ids), in_src):
         missing = np.setdiff1d(in_src, plan.moves.token_ids)
         token_id = int(missing[0]) if missing.size else int(plan.moves.token_ids[0])
         fail(f"moves {plan.moves.num_moves} tokens but its sources hold {in_src.size} live ones", token_id=token_id)
-    _check_plan_destinations(plan, table, held, live_ids, fail)
+    _check_plan_destinations(plan, table, pool, held, fail)
 
 
-def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, held: np.ndarray, live_ids: np.ndarray, fail) -> None:
+def _live_ids_in(table: TokenTable, pool: BlockPool, block_ids: np.ndarray) -> np.ndarray:
+    """Live tokens of `table` stored in `block_ids`, ascending: one pass over the table."""
+    is_listed = np.zeros(pool.num_blocks, dtype=bool)
+    is_listed[block_ids] = True
+    return np.flatnonzero(is_listed[table.block_ids] & table.live)
+
+
+def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: BlockPool, held: np.ndarray, fail) -> None:
     """The copy writes every destination before `apply_moves` can object: each must be a free
     slot of a block the request keeps, and no two moves may share one."""
     block_size = table.block_size
@@ -174,7 +180,8 @@ def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, held: np.n
     if np.any(outside):
         fail(f"moves into block {int(dst_block_ids[outside][0])}, which the request does not keep", block_id=int(dst_block_ids[outside][0]))
     dst_slots = plan.moves.dst_slots(block_size)
-    staying = live_ids[~np.isin(live_ids, plan.moves.token_ids)]
+    in_dst_blocks = _live_ids_in(table, pool, dst_block_ids)
+    staying = in_dst_blocks[~np.isin(in_dst_blocks, plan.moves.token_ids)]
     occupied = np.isin(dst_slots, table.block_ids[staying] * block_size + table.offsets[staying])
     if np.any(occupied) or np.unique(dst_slots).size != dst_slots.size:
         i = int(np.flatnonzero(occupied)[0]) if np.any(occupied) else 0

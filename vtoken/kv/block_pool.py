@@ -35,6 +35,9 @@ class BlockPool:
         self._histogram = np.zeros(NUM_HISTOGRAM_BINS + 1, dtype=np.int64)
         self._histogram[NUM_HISTOGRAM_BINS] = num_blocks
         self._is_le_half = (2 * np.arange(block_size + 1) <= block_size).astype(np.int64)
+        # the same two tables as lists, for the scalar path (`add_live`)
+        self._bin_list: list[int] = self._bin_of_count.tolist()
+        self._is_le_half_list: list[int] = self._is_le_half.tolist()
         self.num_live_tokens = 0
         self.num_blocks_le_half = 0
 
@@ -68,6 +71,15 @@ class BlockPool:
 
     def allocate(self, num_blocks: int) -> np.ndarray:
         """Take `num_blocks` free blocks (ref count 1, no live tokens). Raises when short."""
+        if num_blocks == 0:  # the common decode step
+            return np.zeros(0, dtype=np.int64)
+        if num_blocks == 1 and self._free_ids:
+            block_id = self._free_ids.pop()
+            self.ref_counts[block_id] = 1
+            self._histogram[NUM_HISTOGRAM_BINS] -= 1
+            self._histogram[0] += 1
+            self.num_blocks_le_half += 1
+            return np.array([block_id], dtype=np.int64)
         block_ids = self.peek_free(num_blocks)
         if num_blocks:
             del self._free_ids[-num_blocks:]
@@ -91,9 +103,13 @@ class BlockPool:
 
         Live tokens of a block that goes free are forgotten: the owner has stopped reading it.
         """
-        block_ids = self._checked_ids(block_ids, "free")
+        block_ids = np.asarray(block_ids, dtype=np.int64)
         if block_ids.size == 0:
             return
+        if block_ids.size == 1:
+            self._free_one(int(block_ids.flat[0]))
+            return
+        block_ids = self._checked_ids(block_ids, "free")
         if np.any(self.ref_counts[block_ids] <= 0):
             raise VTokenError(f"double free of blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
         if np.unique(block_ids).size != block_ids.size:
@@ -108,6 +124,23 @@ class BlockPool:
         self.num_blocks_le_half -= released.size
         # released in reverse so that the lowest id of a batch is handed out first next time
         self._free_ids.extend(sorted(released.tolist(), reverse=True))
+
+    def _free_one(self, block_id: int) -> None:
+        """`free` of a single block, with scalars only (same checks, same result)."""
+        if not 0 <= block_id < self.num_blocks:
+            raise VTokenError(f"free() got block ids out of range [0, {self.num_blocks}): [{block_id}]")
+        if self.ref_counts[block_id] <= 0:
+            raise VTokenError(f"double free of blocks [{block_id}]")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] > 0:
+            return
+        num_live = int(self.live_counts[block_id])
+        self.live_counts[block_id] = 0
+        self.num_live_tokens -= num_live
+        self.num_blocks_le_half -= self._is_le_half_list[num_live]
+        self._histogram[self._bin_list[num_live]] -= 1
+        self._histogram[NUM_HISTOGRAM_BINS] += 1
+        self._free_ids.append(block_id)
 
     def _checked_ids(self, block_ids: np.ndarray, verb: str) -> np.ndarray:
         # numpy would wrap a negative id around to the end of the pool
@@ -132,6 +165,22 @@ class BlockPool:
             bad = block_ids[(new_counts < 0) | (new_counts > self.block_size)]
             raise VTokenError(f"live count of blocks {bad.tolist()} would leave [0, {self.block_size}]")
         self._set_live(block_ids, new_counts.astype(np.int32))
+
+    def add_live(self, block_id: int, delta: int) -> None:
+        """`adjust_live` for one block: the per-token path of growth and eviction."""
+        if not 0 <= block_id < self.num_blocks:
+            raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): [{block_id}]")
+        if self.ref_counts[block_id] <= 0:
+            raise VTokenError(f"live-count change on free blocks [{block_id}]")
+        old_count = int(self.live_counts[block_id])
+        new_count = old_count + delta
+        if not 0 <= new_count <= self.block_size:
+            raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
+        self.live_counts[block_id] = new_count
+        self._histogram[self._bin_list[old_count]] -= 1
+        self._histogram[self._bin_list[new_count]] += 1
+        self.num_blocks_le_half += self._is_le_half_list[new_count] - self._is_le_half_list[old_count]
+        self.num_live_tokens += delta
 
     def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> None:
         old_counts = self.live_counts[block_ids]

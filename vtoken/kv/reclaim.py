@@ -108,11 +108,17 @@ class Reclaimer:
         Requests in `busy_req_ids` (a plan in flight) are skipped. Ordered plans stop when the
         free blocks run out.
         """
-        candidates = [t for t in tables if t.req_id not in busy_req_ids and num_reclaimable_blocks(t) > 0]
-        candidates.sort(key=lambda t: (-num_reclaimable_blocks(t), t.req_id))
+        candidates = []
+        for table in tables:
+            if table.req_id in busy_req_ids or _max_reclaimable_blocks(table) <= 0:
+                continue
+            num_reclaimable = num_reclaimable_blocks(table)
+            if num_reclaimable > 0:
+                candidates.append((-num_reclaimable, table.req_id, table))
+        candidates.sort(key=lambda c: (c[0], c[1]))
         plans: list[RelocationPlan] = []
         num_dst_used = 0
-        for table in candidates:
+        for _, _, table in candidates:
             if self.config.mode == "hole-fill":
                 plan = plan_hole_fill(table, self.config.max_src_blocks)
             else:
@@ -125,11 +131,24 @@ class Reclaimer:
 
 def num_reclaimable_blocks(table: TokenTable) -> int:
     """Blocks a perfect packing of the request's relocatable live tokens would give back."""
-    num_movable_blocks = len(movable_block_ids(table))
-    if num_movable_blocks == 0:
+    block_ids = movable_block_ids(table)
+    if block_ids.size == 0:
         return 0
-    live_counts = table.pool.live_counts[movable_block_ids(table)]
-    return num_movable_blocks - int(-(-int(live_counts.sum()) // table.block_size))
+    num_live = int(table.pool.live_counts[block_ids].sum())
+    return block_ids.size - -(-num_live // table.block_size)
+
+
+def _max_reclaimable_blocks(table: TokenTable) -> int:
+    """An upper bound of `num_reclaimable_blocks` in O(1), from the table's counters: the held
+    blocks past the pinned prefix but the open tail, as if none were shared. It is a bound
+    because leaving out a block with at most S live tokens never raises the count."""
+    held = table.block_ids_held
+    num_blocks = len(held) - table.num_pinned_blocks
+    num_live = table.num_live_tokens - table.num_pinned_tokens
+    if num_blocks > 0 and table.tail_num_written < table.block_size:
+        num_blocks -= 1
+        num_live -= int(table.pool.live_counts[held[-1]])
+    return num_blocks - -(-num_live // table.block_size)
 
 
 def movable_block_ids(table: TokenTable) -> np.ndarray:
@@ -180,19 +199,27 @@ def plan_ordered(table: TokenTable, max_src_blocks: int, pool: BlockPool, num_ds
 
 def _live_tokens_in(table: TokenTable, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Live tokens of `table` stored in `block_ids`, in logical order, with their slots."""
-    live_ids = table.live_token_ids()
-    inside = live_ids[np.isin(table.block_ids[live_ids], block_ids)]
-    return inside, table.block_ids[inside].copy(), table.offsets[inside].copy()
+    inside = _live_ids_in(table, block_ids)
+    return inside, table.block_ids[inside], table.offsets[inside]
+
+
+def _live_ids_in(table: TokenTable, block_ids: np.ndarray) -> np.ndarray:
+    is_listed = np.zeros(table.pool.num_blocks, dtype=bool)
+    is_listed[block_ids] = True
+    return np.flatnonzero(is_listed[table.block_ids] & table.live)
 
 
 def _holes(table: TokenTable, block_ids: np.ndarray, num_holes: int) -> tuple[np.ndarray, np.ndarray]:
     """The first `num_holes` slots of `block_ids` (in order, offsets ascending) without a live token."""
-    position_of_block = np.full(table.pool.num_blocks, -1, dtype=np.int64)
-    position_of_block[block_ids] = np.arange(block_ids.size)
+    # only the leading blocks whose free slots add up to num_holes, and of those only the ones
+    # with a free slot, are looked at
+    num_free = table.block_size - table.pool.live_counts[block_ids]
+    num_leading = int(np.searchsorted(np.cumsum(num_free), num_holes)) + 1
+    block_ids = block_ids[:num_leading][num_free[:num_leading] > 0]
+    order = np.argsort(block_ids)
+    token_ids = _live_ids_in(table, block_ids)
+    positions = order[np.searchsorted(block_ids[order], table.block_ids[token_ids])]
     occupied = np.zeros((block_ids.size, table.block_size), dtype=bool)
-    live_ids = table.live_token_ids()
-    positions = position_of_block[table.block_ids[live_ids]]
-    inside = positions >= 0
-    occupied[positions[inside], table.offsets[live_ids][inside]] = True
+    occupied[positions, table.offsets[token_ids]] = True
     block_idx, offsets = np.nonzero(~occupied)
     return block_ids[block_idx[:num_holes]], offsets[:num_holes]

@@ -61,7 +61,13 @@ class TokenTable:
         self._block_ids = np.zeros(capacity, dtype=np.int64)
         self._offsets = np.zeros(capacity, dtype=np.int64)
         self._live = np.zeros(capacity, dtype=bool)
-        self._slots: np.ndarray | None = np.zeros(0, dtype=np.int64)
+        # slots() is _slot_buffer[:_num_slots] while _is_slots_valid, with room to append into.
+        # Once slots() has handed out a view of the buffer, the buffer is copied before any
+        # entry it covers changes (_own_slot_buffer), so that earlier results never change.
+        self._slot_buffer = np.zeros(capacity, dtype=np.int64)
+        self._num_slots = 0
+        self._is_slots_valid = True
+        self._is_slots_read = False
 
     # ---- read-only views ---------------------------------------------------------------------
 
@@ -94,10 +100,39 @@ class TokenTable:
 
         Cached; appended to as the sequence grows, rebuilt only after eviction or relocation.
         """
-        if self._slots is None:
+        if not self._is_slots_valid:
             live_ids = self.live_token_ids()
-            self._slots = self._block_ids[live_ids] * self.block_size + self._offsets[live_ids]
-        return self._slots
+            num_live = live_ids.size
+            self._slot_buffer = np.empty(num_live + num_live // 4 + 64, dtype=np.int64)
+            slots = self._slot_buffer[:num_live]
+            np.take(self._block_ids, live_ids, out=slots)
+            slots *= self.block_size
+            slots += self._offsets[live_ids]
+            self._num_slots = num_live
+            self._is_slots_valid = True
+        self._is_slots_read = True
+        return self._slot_buffer[: self._num_slots]
+
+    def _own_slot_buffer(self) -> np.ndarray:
+        if self._is_slots_read:
+            num_slots = self._num_slots
+            copied = np.empty(num_slots + num_slots // 4 + 64, dtype=np.int64)
+            copied[:num_slots] = self._slot_buffer[:num_slots]
+            self._slot_buffer = copied
+            self._is_slots_read = False
+        return self._slot_buffer
+
+    def _append_slots(self, new_slots: np.ndarray) -> None:
+        if not self._is_slots_valid:
+            return
+        start, end = self._num_slots, self._num_slots + new_slots.size
+        if end > self._slot_buffer.size:
+            grown = np.empty(max(end, 2 * self._slot_buffer.size), dtype=np.int64)
+            grown[:start] = self._slot_buffer[:start]
+            self._slot_buffer = grown
+            self._is_slots_read = False
+        self._slot_buffer[start:end] = new_slots
+        self._num_slots = end
 
     def num_free_tail_slots(self) -> int:
         return self.block_size - self.tail_num_written if self.block_ids_held else 0
@@ -144,6 +179,16 @@ class TokenTable:
         `new_block_ids` are freshly allocated blocks for what overflows the tail, exactly
         `num_new_blocks_needed(num_tokens - self.num_tokens)` of them.
         """
+        if num_tokens == self.num_tokens + 1:  # a decode step: scalars only
+            num_free_tail_slots, num_new_block_ids = self.num_free_tail_slots(), len(new_block_ids)
+            if num_free_tail_slots and num_new_block_ids == 0:
+                self._append_one(self.block_ids_held[-1], self.tail_num_written)
+                return
+            if not num_free_tail_slots and num_new_block_ids == 1:
+                block_id = int(new_block_ids[0])
+                self._append_one(block_id, 0)
+                self.block_ids_held.append(block_id)
+                return
         new_block_ids = np.asarray(new_block_ids, dtype=np.int64)
         num_new_tokens = num_tokens - self.num_tokens
         if num_new_tokens < 0:
@@ -165,6 +210,26 @@ class TokenTable:
         self.pool.adjust_live(touched_ids, counts)
         self.layout_version += 1
 
+    def _append_one(self, block_id: int, offset: int) -> None:
+        """One token at (block_id, offset), the cursor: the decode step, with scalars only."""
+        token_id = self.num_tokens
+        if token_id == self._live.size:
+            self._reserve(token_id + 1)
+        self.pool.add_live(block_id, 1)
+        self._block_ids[token_id] = block_id
+        self._offsets[token_id] = offset
+        self._live[token_id] = True
+        self.num_tokens += 1
+        self.num_live_tokens += 1
+        self.tail_num_written = offset + 1
+        if self._is_slots_valid:
+            if self._num_slots == self._slot_buffer.size:
+                self._append_slots(np.array([block_id * self.block_size + offset]))
+            else:
+                self._slot_buffer[self._num_slots] = block_id * self.block_size + offset
+                self._num_slots += 1
+        self.layout_version += 1
+
     def _place(self, target_ids: np.ndarray, first_offset: int, num_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Write `num_new_tokens` live tokens into `target_ids` from `first_offset` on.
 
@@ -182,8 +247,7 @@ class TokenTable:
         self.num_tokens += num_new_tokens
         self.num_live_tokens += num_new_tokens
         self.tail_num_written = int(offsets[-1]) + 1
-        if self._slots is not None:
-            self._slots = np.concatenate((self._slots, block_ids * self.block_size + offsets))
+        self._append_slots(block_ids * self.block_size + offsets)
         counts = np.bincount(block_idx)
         touched = np.flatnonzero(counts)
         return target_ids[touched], counts[touched]
@@ -207,14 +271,35 @@ class TokenTable:
         token_ids = np.asarray(token_ids, dtype=np.int64)
         if token_ids.size == 0:
             return np.zeros(0, dtype=np.int64)
+        if token_ids.size == 1:
+            return self._evict_one(int(token_ids.flat[0]))
         self._check_evictable(token_ids)
         self._live[token_ids] = False
         self.num_live_tokens -= token_ids.size
         blocks, counts = np.unique(self._block_ids[token_ids], return_counts=True)
         self.pool.adjust_live(blocks, -counts)
-        self._slots = None
+        self._is_slots_valid = False
         self.layout_version += 1
         return blocks[self.pool.live_counts[blocks] == 0]
+
+    def _evict_one(self, token_id: int) -> np.ndarray:
+        """`evict_tokens` of a single id, with scalars only (same checks, same result)."""
+        if not 0 <= token_id < self.num_tokens:
+            raise VTokenError(f"request {self.req_id}: cannot evict unknown token {token_id} (length {self.num_tokens})")
+        if not self._live[token_id]:
+            raise VTokenError(f"request {self.req_id}: token {token_id} is already evicted")
+        if token_id < self.num_pinned_tokens:
+            raise VTokenError(f"request {self.req_id}: token {token_id} is in the shared prefix and cannot be evicted")
+        block_id = int(self._block_ids[token_id])
+        self.pool.add_live(block_id, -1)
+        if self._is_slots_valid:
+            self._remove_slot(int(np.count_nonzero(self._live[:token_id])))
+        self._live[token_id] = False
+        self.num_live_tokens -= 1
+        self.layout_version += 1
+        if self.pool.live_counts[block_id] == 0:
+            return np.array([block_id], dtype=np.int64)
+        return np.zeros(0, dtype=np.int64)
 
     def _check_evictable(self, token_ids: np.ndarray) -> None:
         out_of_range = (token_ids < 0) | (token_ids >= self.num_tokens)
@@ -229,6 +314,12 @@ class TokenTable:
             raise VTokenError(f"request {self.req_id}: token {bad} is in the shared prefix and cannot be evicted")
         if np.unique(token_ids).size != token_ids.size:
             raise VTokenError(f"request {self.req_id}: evict_tokens got repeated ids")
+
+    def _remove_slot(self, idx: int) -> None:
+        """Drop entry `idx` of the slot cache: a memmove of what follows it."""
+        buffer, num_slots = self._own_slot_buffer(), self._num_slots
+        buffer[idx : num_slots - 1] = buffer[idx + 1 : num_slots]
+        self._num_slots = num_slots - 1
 
     def adopt_blocks(self, block_ids: np.ndarray) -> None:
         """Take freshly allocated relocation destinations; they sit before the tail."""
@@ -256,7 +347,9 @@ class TokenTable:
             deltas = np.concatenate((-np.ones(int(live.sum()), np.int64), np.ones(int(live.sum()), np.int64)))
             blocks, inverse = np.unique(delta_blocks, return_inverse=True)
             self.pool.adjust_live(blocks, np.bincount(inverse, weights=deltas).astype(np.int64))
-        self._slots = None
+            if self._is_slots_valid:  # the moved live tokens keep their place in logical order
+                slot_idx = np.searchsorted(self.live_token_ids(), ids[live])
+                self._own_slot_buffer()[slot_idx] = moves.dst_slots(self.block_size)[live]
         self.layout_version += 1
 
     def _check_moves(self, moves: Moves) -> None:
@@ -267,14 +360,19 @@ class TokenTable:
         if np.any(stale):
             token_id = int(ids[stale][0])
             raise VTokenError(f"request {self.req_id}: move of token {token_id} names a source it does not occupy")
-        held = np.isin(moves.dst_block_ids, np.asarray(self.block_ids_held, dtype=np.int64))
+        held_block_ids = set(self.block_ids_held)
+        held = np.array([b in held_block_ids for b in moves.dst_block_ids.tolist()], dtype=bool)
         if not np.all(held):
             raise VTokenError(f"request {self.req_id}: move into block {int(moves.dst_block_ids[~held][0])} it does not hold")
-        staying = self.live.copy()
-        staying[ids] = False
-        staying_slots = self._block_ids[: self.num_tokens][staying] * self.block_size + self._offsets[: self.num_tokens][staying]
+        # only live tokens already in a destination block can stand in a move's way
+        in_dst_blocks = self._live_ids_in(moves.dst_block_ids)
+        is_moved = np.zeros(self.num_tokens, dtype=bool)
+        is_moved[ids] = True
+        staying = in_dst_blocks[~is_moved[in_dst_blocks]]
+        staying_slots = np.sort(self._block_ids[staying] * self.block_size + self._offsets[staying])
         dst_slots = moves.dst_slots(self.block_size)
-        occupied = np.isin(dst_slots, staying_slots)
+        idx = np.minimum(np.searchsorted(staying_slots, dst_slots), max(staying_slots.size - 1, 0))
+        occupied = staying_slots[idx] == dst_slots if staying_slots.size else np.zeros(dst_slots.size, dtype=bool)
         if np.any(occupied) or np.unique(dst_slots).size != dst_slots.size:
             slot = int(dst_slots[occupied][0]) if np.any(occupied) else int(dst_slots[0])
             raise VTokenError(f"request {self.req_id}: move onto occupied slot {slot} (block {slot // self.block_size}, offset {slot % self.block_size})")
@@ -287,22 +385,32 @@ class TokenTable:
         released = {int(b) for b in block_ids}
         if not released:
             return
-        if not released.issubset(self.block_ids_held):
-            raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released - set(self.block_ids_held))}")
-        live_ids = self.live_token_ids()
-        if np.any(np.isin(self._block_ids[live_ids], np.fromiter(released, np.int64))):
+        held_block_ids = set(self.block_ids_held)
+        if not released.issubset(held_block_ids):
+            raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released - held_block_ids)}")
+        if self._live_ids_in(np.fromiter(released, np.int64)).size:
             raise VTokenError(f"request {self.req_id}: releasing blocks that still hold live tokens")
         tail_released = self.block_ids_held[-1] in released
-        self.block_ids_held = [b for b in self.block_ids_held if b not in released]
+        if len(released) <= 8:  # the usual case: list.remove beats rebuilding the list
+            for block_id in released:
+                self.block_ids_held.remove(block_id)
+        else:
+            self.block_ids_held = [b for b in self.block_ids_held if b not in released]
         if tail_released:
-            self.tail_num_written = self._cursor_after_last_live(live_ids)
+            self.tail_num_written = self._cursor_after_last_live()
         self.layout_version += 1
 
-    def _cursor_after_last_live(self, live_ids: np.ndarray) -> int:
+    def _live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
+        """Live tokens stored in `block_ids`, in logical order: one pass over the table."""
+        is_listed = np.zeros(self.pool.num_blocks, dtype=bool)
+        is_listed[block_ids] = True
+        return np.flatnonzero(is_listed[self.block_ids] & self.live)
+
+    def _cursor_after_last_live(self) -> int:
         if not self.block_ids_held:
             return 0
-        in_tail = self._block_ids[live_ids] == self.block_ids_held[-1]
-        return int(self._offsets[live_ids][in_tail].max()) + 1 if np.any(in_tail) else 0
+        in_tail = np.flatnonzero((self.block_ids == self.block_ids_held[-1]) & self.live)
+        return int(self._offsets[in_tail].max()) + 1 if in_tail.size else 0
 
     def release_all(self) -> list[int]:
         """Drop every block (request finished or preempted); returns them for the caller to free."""
@@ -312,6 +420,6 @@ class TokenTable:
         self.num_live_tokens = 0
         self.num_pinned_tokens = 0  # nothing held, nothing pinned
         self.tail_num_written = 0
-        self._slots = None
+        self._is_slots_valid = False
         self.layout_version += 1
         return block_ids
