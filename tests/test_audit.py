@@ -11,6 +11,7 @@ import pytest
 from fakeserver import Route, serve
 
 import vtoken.audit as audit_module
+import vtoken.audit.deployment as deployment_module
 from vtoken.analysis import frontier
 from vtoken.audit import (
     AuditReport, Overrides, _largest_feasible, audit, bundled_sample_path, load_settings, load_workload,
@@ -211,7 +212,7 @@ def test_a_missing_trace_is_a_trace_error(tmp_path: Path) -> None:
 
 
 def test_a_missing_bundled_sample_is_a_clear_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(audit_module, "bundled_sample_path", lambda: tmp_path / "azure_conv_sample.csv")
+    monkeypatch.setattr(deployment_module, "bundled_sample_path", lambda: tmp_path / "azure_conv_sample.csv")
 
     with pytest.raises(ConfigError, match="bundled sample trace is missing"):
         audit(str(SMALL))

@@ -1,9 +1,12 @@
 """`vtoken compare` as one library call: the three variants, the sweep, the SLA rule, the
-frontier and repeats over seeds, returned as one plain record."""
+frontier and repeats over seeds, returned as one plain record.
+
+`compare` replays on the sim executor; `compare_hf` replays the three variants once on a real
+model (`vtoken.engine.hf`) and skips the sweep and the frontier, which need dozens of replays.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -12,8 +15,11 @@ from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint
                              run_variants, sla_selection, sweep)
 from vtoken.engine import VARIANTS, RunConfig
 from vtoken.errors import ConfigError
+from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
 from vtoken.trace import Trace
+
+HF_SKIPPED_NOTE = "--executor hf: no sweep, no frontier (dozens of replays; run them with --executor sim)"
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class CompareReport:
     sweep: tuple[SweepPoint, ...]
     sla: SlaResult | None
     frontier: Frontier | None
+    executor: str = "sim"
+    hf: object | None = None  # vtoken.engine.hf_compare.HFReport with --executor hf
 
 
 def compare(trace: Trace, config: RunConfig, options: CompareOptions, progress: Progress | None = None) -> CompareReport:
@@ -65,6 +73,22 @@ def compare(trace: Trace, config: RunConfig, options: CompareOptions, progress: 
         sla = sla_selection(points, options.sla_metric, options.sla_factor, options.reference_concurrency)
     frontier_result = frontier(config, requests, options.concurrencies, VARIANTS, progress) if options.with_frontier else None
     return CompareReport(trace, config, options, repeats[0], headline_ci, tuple(points), sla, frontier_result)
+
+
+def compare_hf(trace: Trace, config: RunConfig, model, options: CompareOptions, progress: Progress | None = None,
+               num_blocks: int | None = None) -> CompareReport:
+    """The three variants on `model` (a `vtoken.models.LoadedModel`), measured; no sweep, no
+    frontier, one seed. `num_blocks` None: sized for `config.concurrency` full-length requests."""
+    from vtoken.engine.hf_compare import compare_on_model
+
+    if options.repeats != 1:
+        raise ConfigError(f"--repeats applies to the sim executor; --executor hf runs once, got --repeats {options.repeats}")
+    runs, hf = compare_on_model(config, trace.requests, model, num_blocks, progress)
+    config = replace(config, model=model.spec, num_blocks=hf.num_blocks)
+    headline_ci = {variant: {key: interval([value]) for key, value in run.headline().items()} for variant, run in runs.items()}
+    options = replace(options, with_sweep=False, with_frontier=False)
+    trace = replace(trace, notes=trace.notes + hf.notes + (HF_SKIPPED_NOTE,))
+    return CompareReport(trace, config, options, runs, headline_ci, (), None, None, "hf", hf)
 
 
 def num_progress_units(trace: Trace, options: CompareOptions) -> int:
@@ -103,13 +127,15 @@ def report_to_json(report: CompareReport) -> dict:
             "policy": cfg.eviction.policy, "budget": cfg.eviction.budget.describe(),
             "eviction_interval_tokens": cfg.eviction.interval_tokens, "reclaim": asdict(cfg.reclaim),
             "seed": cfg.seed, "repeats": report.options.repeats, "sim_profile": cfg.sim.as_dict(),
-            "percentile_method": "linear",
+            "percentile_method": "linear", "executor": report.executor,
         },
         "variants": variants,
         "sweep": [asdict(p) for p in report.sweep],
         "sla": None,
         "frontier": None,
     }
+    if report.hf is not None:
+        out["hf"] = asdict(report.hf)
     if report.sla is not None:
         out["sla"] = {"metric": report.sla.metric, "factor": report.sla.factor,
                       "reference_concurrency": report.sla.reference_concurrency,
@@ -122,20 +148,8 @@ def report_to_json(report: CompareReport) -> dict:
             "ideal_max_concurrency": fr.ideal_max_concurrency,
             "block_demand": [asdict(p) for p in fr.points],
         }
-    return _clean(out)
+    return make_json_safe(out)
 
 
 def _num(value: float) -> float | None:
     return None if value is None or (isinstance(value, float) and np.isnan(value)) else float(value)
-
-
-def _clean(obj):
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, (np.integer,)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        return None if np.isnan(obj) else float(obj)
-    return obj

@@ -55,11 +55,4 @@ def main() -> None:
     app()
 
 
-from vtoken_cli import cmd_compare  # noqa: E402,F401  (each module registers its command)
-
-for _name in ("cmd_audit", "cmd_check"):
-    try:
-        __import__(f"vtoken_cli.{_name}")
-    except ModuleNotFoundError as _exc:
-        if _exc.name != f"vtoken_cli.{_name}":
-            raise
+from vtoken_cli import cmd_audit, cmd_check, cmd_compare, cmd_serve  # noqa: E402,F401  (each registers its command)

@@ -19,22 +19,19 @@ import pandas as pd  # noqa: E402
 import typer  # noqa: E402
 from rich.console import Group, RenderableType  # noqa: E402
 from rich.panel import Panel  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 from rich.text import Text  # noqa: E402
 
 from vtoken.audit import (  # noqa: E402
-    DEFINITIONS, AuditReport, Overrides, PolicyAudit, audit, policy_title, report_rows, report_to_json,
+    AUDIT_VARIANTS, DEFINITIONS, AuditReport, Overrides, PolicyAudit, audit, policy_title, report_rows, report_to_json,
 )
 from vtoken.errors import ConfigError  # noqa: E402
 from vtoken.hardware import GiB  # noqa: E402
 from vtoken.policies import POLICIES  # noqa: E402
 from vtoken.trace import TRACE_FORMATS  # noqa: E402
 from vtoken_cli.app import command, stderr, stdout  # noqa: E402
-from vtoken_cli.output import check_output_dir, write_output_dir  # noqa: E402
-from vtoken_cli.render import BIN_LABELS, histogram  # noqa: E402
-
-VARIANTS = ("native", "naive-evict", "vtoken")
+from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir  # noqa: E402
+from vtoken_cli.render import BIN_LABELS, definitions_table, histogram  # noqa: E402
 
 
 @command("audit")
@@ -73,8 +70,7 @@ def audit_command(
         trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
         frontier_max_concurrency=frontier_max, timeout_s=timeout, seed=seed,
     )
-    with Progress(TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=stderr, transient=True) as bar:
+    with progress_bar(stderr, 26) as bar:
         task = bar.add_task("reading the deployment", total=None)
         report = audit(deployment, overrides,
                        lambda stage, done, total: bar.update(task, completed=done, total=total, description=stage))
@@ -97,7 +93,9 @@ def audit_report(report: AuditReport) -> Group:
         parts.append(_live_panel(report))
     parts += [_workload_panel(report), _policy_table(report), _variant_table(report)]
     parts += [_histograms(report, p) for p in report.policies]
-    parts += [_definitions(), Panel(report.verdict, title="Verdict", title_align="left", border_style="bold")]
+    definitions = [(name, text) for _, name, text in DEFINITIONS]
+    parts += [definitions_table(definitions, "Definitions (time-weighted means over each run)"),
+              Panel(report.verdict, title="Verdict", title_align="left", border_style="bold")]
     return Group(*parts)
 
 
@@ -179,13 +177,13 @@ def _variant_table(report: AuditReport) -> Table:
     for column in ("F", "blocks per req", "trapped GiB", "max C", "preempt"):
         table.add_column(column, justify="right")
     for p in report.policies:
-        for variant in VARIANTS:
+        for variant in AUDIT_VARIANTS:
             run, capacity = p.runs[variant], p.capacity[variant]
             table.add_row(
-                policy_title(p.policy) if variant == VARIANTS[0] else "", variant, f"{run.waste_ratio:.3f}",
+                policy_title(p.policy) if variant == AUDIT_VARIANTS[0] else "", variant, f"{run.waste_ratio:.3f}",
                 f"{run.retained_blocks_per_request:.1f}", f"{run.trapped_bytes / GiB:.2f}",
                 f"{capacity.max_concurrency}{'+' if capacity.is_lower_bound else ''}", str(run.preemptions),
-                end_section=variant == VARIANTS[-1],
+                end_section=variant == AUDIT_VARIANTS[-1],
             )
     return table
 
@@ -196,13 +194,6 @@ def _histograms(report: AuditReport, p: PolicyAudit) -> Group:
                  histogram(p.runs["vtoken"].utilization_histogram, "vtoken"))
     title = f"{policy_title(p.policy)}: block utilization u = live / S, share of allocated blocks"
     return Group(Text(title, style="bold"), grid)
-
-
-def _definitions() -> Table:
-    table = Table(title="Definitions (time-weighted means over each run)", title_justify="left", show_header=False, box=None)
-    for _, name, text in DEFINITIONS:
-        table.add_row(Text(name, style="bold"), text)
-    return table
 
 
 def _show(value: object) -> str:
@@ -221,9 +212,6 @@ def _percent(value: float | None) -> str:
 
 
 def _writers(report: AuditReport, payload: dict) -> list:
-    def write_json(d: Path) -> None:
-        (d / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
-
     def write_csv(d: Path) -> None:
         pd.DataFrame(report_rows(report)).to_csv(d / "policies.csv", index=False)
 
@@ -231,7 +219,7 @@ def _writers(report: AuditReport, payload: dict) -> list:
         for p in report.policies:
             _plot_histogram(p, d / f"histogram_{p.policy}.png")
 
-    return [write_json, write_csv, write_plots]
+    return [json_writer(payload), write_csv, write_plots]
 
 
 def _plot_histogram(p: PolicyAudit, path: Path) -> None:

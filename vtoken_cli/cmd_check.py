@@ -15,7 +15,6 @@ from typing import Annotated, Optional
 import pandas as pd
 import typer
 from rich.console import Group, RenderableType
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -29,7 +28,7 @@ from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
 from vtoken.trace import TRACE_FORMATS, load_trace
 from vtoken_cli.app import command, stderr, stdout
 from vtoken_cli.options import build_run_config
-from vtoken_cli.output import check_output_dir, write_output_dir
+from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 
 
 @command("check-invariants")
@@ -90,8 +89,7 @@ def check_command(
     config = replace(config, reclaim=replace(config.reclaim, check_interval_steps=reclaim_interval))
     paths = [trace] if trace is not None else ([] if fuzz else bundled_sample_traces())
     traces = [load_trace(path, trace_format) for path in paths]
-    with Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=stderr, transient=True) as bar:
+    with progress_bar(stderr, 40) as bar:
         task = bar.add_task("checking", total=num_progress_units(traces, config, options))
         report = check_invariants(traces, config, options,
                                   lambda stage, n: bar.update(task, advance=n, description=stage))
@@ -122,9 +120,6 @@ def _reclaim_modes(text: str) -> tuple[str, ...]:
 
 
 def _writers(payload: dict) -> list:
-    def write_json(d: Path) -> None:
-        (d / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
-
     def write_csv(d: Path) -> None:
         rows = []
         for run in payload["runs"]:
@@ -134,7 +129,7 @@ def _writers(payload: dict) -> list:
             rows.append(row)
         pd.DataFrame(rows).to_csv(d / "runs.csv", index=False)
 
-    return [write_json, write_csv]
+    return [json_writer(payload), write_csv]
 
 
 # ---- rendering ----------------------------------------------------------------------------------

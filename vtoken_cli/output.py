@@ -1,12 +1,20 @@
-"""`--output DIR`: everything is written into a temporary sibling directory first and renamed
-into place at the end, so an error never leaves a half-written DIR behind."""
+"""What a command writes besides its stdout: the `--output DIR` files and the progress bar on
+stderr.
+
+`--output DIR`: everything is written into a temporary sibling directory first and renamed
+into place at the end, so an error never leaves a half-written DIR behind.
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vtoken.errors import ConfigError
 
@@ -32,3 +40,18 @@ def write_output_dir(path: Path, writers: list[Writer], force: bool) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def json_writer(payload: dict, name: str = "report.json") -> Writer:
+    """A writer of `payload` as indented JSON into DIR/`name`."""
+
+    def write_json(directory: Path) -> None:
+        (directory / name).write_text(json.dumps(payload, indent=2) + "\n")
+
+    return write_json
+
+
+def progress_bar(console: Console, description_width: int) -> Progress:
+    """A transient progress bar (stage, bar, done/total, time) on `console`; use it as a context."""
+    return Progress(TextColumn(f"{{task.description:<{description_width}}}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True)

@@ -1,4 +1,5 @@
-"""rich renderables for the reports. Renders what the library computed; computes no metric."""
+"""rich renderables for the reports: those of `vtoken compare`, and the utilization histogram and
+the definitions table the other commands share. Renders what the library computed; computes no metric."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from vtoken.compare import CompareReport
+from vtoken.hardware import GiB
 
-GiB = 2**30
 BAR_WIDTH = 24
 BIN_LABELS = [f"{10 * i:>3}-{10 * (i + 1)}%" for i in range(10)]
 
@@ -137,9 +138,10 @@ def header_panel(report: CompareReport) -> Panel:
     return Panel("\n".join(lines), title="vtoken compare (sim executor)", title_align="left")
 
 
-def definitions_table() -> Table:
-    table = Table(title="Definitions", title_justify="left", show_header=False, box=None)
-    for name, text in DEFINITIONS:
+def definitions_table(definitions: Sequence[tuple[str, str]] = DEFINITIONS, title: str = "Definitions") -> Table:
+    """(name, definition) rows under `title`; by default those of `vtoken compare`."""
+    table = Table(title=title, title_justify="left", show_header=False, box=None)
+    for name, text in definitions:
         table.add_row(Text(name, style="bold"), text)
     return table
 

@@ -36,10 +36,21 @@ class ForwardOut:
     attention: torch.Tensor | None  # fp32, summed over heads and layers: [B, queries, keys]
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One forward's inputs: B requests with Lq new tokens each, reading Lk keys each."""
+
+    token_ids: torch.Tensor  # [B, Lq]
+    positions: torch.Tensor  # [B, Lq] rotary positions = logical ids
+    new_slots: torch.Tensor  # [B * Lq] where the new tokens' K/V go
+    key_slots: torch.Tensor  # [B, Lk] what each request's queries read, in logical order
+    mask: torch.Tensor  # [B, 1, Lq, Lk] True = read
+
+
 class PagedDecoder:
     """Runs a transformers Llama/Mistral/Qwen2 *ForCausalLM over a `PagedKVCache`."""
 
-    def __init__(self, model, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model, kv_cache: PagedKVCache, with_scores: bool) -> None:
         inner = model.model
         self.embed = inner.embed_tokens
         self.layers = list(inner.layers)
@@ -53,31 +64,32 @@ class PagedDecoder:
         self.num_kv_heads = model.config.num_key_value_heads
         self.kv = kv_cache
         self.device = kv_cache.device
+        self.with_scores = with_scores
 
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, slots: torch.Tensor, with_scores: bool) -> ForwardOut:
+    def prefill(self, token_ids: torch.Tensor, slots: torch.Tensor) -> ForwardOut:
         """`token_ids` [L] at positions 0..L-1, their K/V written at `slots` [L]."""
         num_tokens = token_ids.numel()
         positions = torch.arange(num_tokens, device=self.device)[None]
         causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=self.device).tril()
-        return self._forward(token_ids[None], positions, slots, slots[None], causal[None, None], with_scores)
+        return self._forward(_Step(token_ids[None], positions, slots, slots[None], causal[None, None]))
 
     @torch.inference_mode()
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
-               key_slots: torch.Tensor, key_mask: torch.Tensor, with_scores: bool) -> ForwardOut:
-        """One token per request: `token_ids`, `positions`, `new_slots` [B]; keys [B, Lmax]."""
-        return self._forward(token_ids[:, None], positions[:, None], new_slots, key_slots,
-                             key_mask[:, None, None, :], with_scores)
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, key_slots: torch.Tensor,
+               num_keys: torch.Tensor) -> ForwardOut:
+        """One new token per request: `token_ids`, `positions` [B]. Row b of `key_slots` [B, Lmax]
+        holds request b's `num_keys[b]` live slots, the new token's last; the rest is padding."""
+        is_key = torch.arange(key_slots.shape[1], device=self.device)[None, :] < num_keys[:, None]
+        new_slots = key_slots.gather(1, (num_keys - 1)[:, None])[:, 0]
+        return self._forward(_Step(token_ids[:, None], positions[:, None], new_slots, key_slots, is_key[:, None, None, :]))
 
-    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
-                 key_slots: torch.Tensor, mask: torch.Tensor, with_scores: bool) -> ForwardOut:
-        """token_ids, positions [B, Lq]; new_slots [B * Lq]; key_slots [B, Lk]; mask [B, 1, Lq, Lk]."""
-        batch, num_queries = token_ids.shape
-        num_keys = key_slots.shape[1]
-        x = self.embed(token_ids)  # [B, Lq, hidden]
-        cos, sin = self.rotary(x, positions)
-        flat_keys = key_slots.reshape(-1)
-        attention = torch.zeros(batch, num_queries, num_keys, device=self.device) if with_scores else None
+    def _forward(self, step: _Step) -> ForwardOut:
+        batch, num_queries = step.token_ids.shape
+        num_keys = step.key_slots.shape[1]
+        x = self.embed(step.token_ids)  # [B, Lq, hidden]
+        cos, sin = self.rotary(x, step.positions)
+        flat_keys = step.key_slots.reshape(-1)
+        attention = torch.zeros(batch, num_queries, num_keys, device=self.device) if self.with_scores else None
         for layer_idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -86,11 +98,11 @@ class PagedDecoder:
             v = attn.v_proj(h).view(batch, num_queries, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             cache_k, cache_v = self.kv.flat[layer_idx, 0], self.kv.flat[layer_idx, 1]  # [slots, kv_heads, head_dim]
-            cache_k.index_copy_(0, new_slots, k.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim))
-            cache_v.index_copy_(0, new_slots, v.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim))
+            cache_k.index_copy_(0, step.new_slots, k.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim))
+            cache_v.index_copy_(0, step.new_slots, v.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim))
             keys = cache_k.index_select(0, flat_keys).view(batch, num_keys, self.num_kv_heads, self.head_dim).transpose(1, 2)
             values = cache_v.index_select(0, flat_keys).view(batch, num_keys, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            out = self._attend(q, keys, values, mask, attention)  # [B, heads, Lq, head_dim]
+            out = self._attend(q, keys, values, step.mask, attention)  # [B, heads, Lq, head_dim]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(batch, num_queries, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = self.lm_head(self.norm(x[:, -1]))

@@ -19,12 +19,15 @@ Without a materialized KV cache (the sim's default) plans complete at once: ther
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from vtoken.errors import ConfigError
-from vtoken.kv.kv_cache import PagedKVCache
 from vtoken.kv.reclaim import RelocationPlan
+
+if TYPE_CHECKING:  # torch is imported only once a KV cache exists: the sim runs without it
+    import torch
+
+    from vtoken.kv.kv_cache import PagedKVCache
 
 COPY_MODES = ("sync", "async", "deferred")
 
@@ -32,8 +35,8 @@ COPY_MODES = ("sync", "async", "deferred")
 @dataclass
 class _InFlight:
     plan: RelocationPlan
-    src_slots: torch.Tensor
-    dst_slots: torch.Tensor
+    src_slots: torch.Tensor | None
+    dst_slots: torch.Tensor | None
     done_event: object | None = None
     num_polls: int = field(default=0)
 
@@ -48,7 +51,11 @@ class CopyEngine:
         self.kv_cache = kv_cache
         self.mode = mode
         self.block_size = kv_cache.shape.block_size if kv_cache is not None else 0
-        self._stream = torch.cuda.Stream(device=kv_cache.device) if mode == "async" else None
+        self._stream = None
+        if mode == "async":
+            import torch
+
+            self._stream = torch.cuda.Stream(device=kv_cache.device)
         self._in_flight: list[_InFlight] = []
         self._cancelled_events: list = []
         self.num_bytes_copied = 0
@@ -59,8 +66,10 @@ class CopyEngine:
 
     def launch(self, plan: RelocationPlan) -> None:
         if self.kv_cache is None:
-            self._in_flight.append(_InFlight(plan, torch.empty(0), torch.empty(0)))
+            self._in_flight.append(_InFlight(plan, None, None))
             return
+        import torch
+
         device = self.kv_cache.device
         src = torch.as_tensor(plan.moves.src_slots(self.block_size), device=device)
         dst = torch.as_tensor(plan.moves.dst_slots(self.block_size), device=device)
@@ -88,6 +97,10 @@ class CopyEngine:
     def wait_before_forward(self) -> None:
         """Order the next forward after every in-flight copy (GPU side; no host wait)."""
         events = [e.done_event for e in self._in_flight if e.done_event is not None] + self._cancelled_events
+        if not events:
+            return
+        import torch
+
         for event in events:
             torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
         self._cancelled_events = []

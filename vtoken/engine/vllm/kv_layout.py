@@ -12,8 +12,8 @@ checks the copies byte for byte against the kernel writing the same tokens at th
     region of one (block, kv head):   [ 2 * block_size * head_dim elements ]
     index_map[offset, e]              place of K[e] (e < D) or V[e - D] (e >= D) of the token
 
-On CUDA the layout is the plain `[2, num_blocks, block_size, num_kv_heads, head_dim]` of the
-flash-attention backends; `cuda_slot_copy` moves whole token rows there.
+On CUDA the layouts are the plain ones of the flash-attention backends (a token is one
+[num_kv_heads, head_dim] row per K and V); `cuda_slot_copy` moves those rows.
 """
 
 from __future__ import annotations
@@ -96,15 +96,41 @@ def cpu_slot_copy(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_sl
     return num_bytes
 
 
-def cuda_slot_copy(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> int:
-    """The same on a `[2, num_blocks, block_size, num_kv_heads, head_dim]` (flash) layout."""
+def cpu_copied_correctly(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                         index_map: torch.Tensor, before: list[torch.Tensor]) -> bool:
+    """After `cpu_slot_copy`: does every destination hold the bytes its source held before?
+
+    `before` is `cpu_gather(kv_caches, src_slots, index_map)` taken before the copy.
+    """
+    return all(torch.equal(b.view(torch.uint8), a.view(torch.uint8))
+               for b, a in zip(before, cpu_gather(kv_caches, dst_slots, index_map)))
+
+
+def cpu_gather(kv_caches: list[torch.Tensor], slots: torch.Tensor, index_map: torch.Tensor) -> list[torch.Tensor]:
+    """The K/V elements of the tokens at `slots`, per distinct layer tensor (copies)."""
+    indices = cpu_element_indices(slots, index_map, kv_caches[0].shape[1]).view(-1)
+    return [kv.view(-1)[indices].clone() for kv in _distinct(kv_caches)]
+
+
+def cuda_slot_copy(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                   block_size: int) -> int:
+    """The same on the flash-attention layouts `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+    (NHD) or `[2, num_blocks, num_kv_heads, block_size, head_dim]` (HND). Returns bytes copied."""
     if src_slots.numel() == 0:
         return 0
     num_bytes = 0
+    src_blocks, src_offsets = src_slots // block_size, src_slots % block_size
+    dst_blocks, dst_offsets = dst_slots // block_size, dst_slots % block_size
     for kv in _distinct(kv_caches):
-        rows = kv.view(2, -1, kv.shape[-2] * kv.shape[-1])  # [2, num_slots, H * D]
-        rows[:, dst_slots] = rows[:, src_slots]
-        num_bytes += 2 * src_slots.numel() * rows.shape[-1] * kv.element_size()
+        if kv.dim() != 5 or kv.shape[0] != 2:
+            raise RuntimeError(f"unsupported CUDA KV cache shape {tuple(kv.shape)}; expected [2, blocks, ...]")
+        if kv.shape[2] == block_size:  # NHD: a token is a [num_kv_heads, head_dim] row
+            kv[:, dst_blocks, dst_offsets] = kv[:, src_blocks, src_offsets]
+        elif kv.shape[3] == block_size:  # HND
+            kv[:, dst_blocks, :, dst_offsets] = kv[:, src_blocks, :, src_offsets]
+        else:
+            raise RuntimeError(f"CUDA KV cache shape {tuple(kv.shape)} has no block_size {block_size} dimension")
+        num_bytes += 2 * src_slots.numel() * (kv[0, 0].numel() // block_size) * kv.element_size()
     return num_bytes
 
 

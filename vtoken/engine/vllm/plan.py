@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PLAN_ATTRIBUTE = "vtoken"
+PLAN_ATTRIBUTE = "vtoken"  # on SchedulerOutput: the StepPlan
+SCORES_ATTRIBUTE = "vtoken_scores"  # on ModelRunnerOutput: {req_id: float64 [queries, live keys]}
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class StepPlan:
       the physical ones (position - num_evicted). Absent = 0;
     - `block_table_lengths[req_id]`: the request handed trailing blocks back; keep this many
       entries of its block table before appending this step's new blocks;
-    - `score_req_ids`: requests whose attention statistics the policy needs (H2O, ...).
+    - `score_req_ids`: requests whose attention statistics the policy needs (H2O, ...);
+    - `verify_copies`: check that every destination reads back its source's bytes (I1 on the
+      real KV; raises InvariantError in the worker), for `check_invariants` runs.
     """
 
     src_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -33,6 +36,7 @@ class StepPlan:
     num_evicted_tokens: dict[str, int] = field(default_factory=dict)
     block_table_lengths: dict[str, int] = field(default_factory=dict)
     score_req_ids: frozenset[str] = frozenset()
+    verify_copies: bool = False
 
     @property
     def num_moves(self) -> int:

@@ -24,10 +24,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from vtoken.engine.vllm.metrics import EngineMetrics
-from vtoken.engine.vllm.plan import PLAN_ATTRIBUTE
-from vtoken.engine.vllm.settings import settings_from_additional_config
+from vtoken.engine.vllm.plan import PLAN_ATTRIBUTE, SCORES_ATTRIBUTE
+from vtoken.engine.vllm.settings import CONFIG_KEY, VllmSettings, settings_from_additional_config
 from vtoken.engine.vllm.support import check_supported
 from vtoken.engine.vllm.tracker import VTokenTracker
+from vtoken.errors import ConfigError
 
 
 class _ShiftedRequest:
@@ -60,8 +61,7 @@ class VTokenScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.vtoken_settings = settings_from_additional_config(self.vllm_config.additional_config)
         check_supported(self.vllm_config, self.kv_cache_config)
-        block_pool = self.kv_cache_manager.block_pool
-        self.vtoken = VTokenTracker(self.vtoken_settings, block_pool.num_gpu_blocks, self.block_size)
+        self.vtoken = self._make_tracker()
         self.vtoken_metrics = EngineMetrics(self.vtoken_settings, self.vllm_config.model_config.served_model_name)
         self._num_vtoken_steps = 0
         self._block_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
@@ -72,6 +72,27 @@ class VTokenScheduler(Scheduler):
             return stock_allocate_slots(_ShiftedRequest(request, offset) if offset else request, *args, **kwargs)
 
         self.kv_cache_manager.allocate_slots = allocate_slots
+
+    def _make_tracker(self) -> VTokenTracker:
+        model_config = self.vllm_config.model_config
+        num_heads_layers = model_config.hf_text_config.num_attention_heads * model_config.get_total_num_hidden_layers()
+        return VTokenTracker(self.vtoken_settings, self.kv_cache_manager.block_pool.num_gpu_blocks,
+                             self.block_size, num_heads_layers)
+
+    def reconfigure(self, settings: VllmSettings) -> None:
+        """Switch variant, policy or reclaim settings between runs (no request in the engine).
+
+        The model runner only applies plans, so one engine can replay a trace once per variant.
+        """
+        if self.get_num_unfinished_requests():
+            raise ConfigError("cannot change vToken settings while requests are in the engine")
+        record_events = self.vtoken.record_events
+        self.vllm_config.additional_config[CONFIG_KEY] = settings.to_dict()
+        check_supported(self.vllm_config, self.kv_cache_config)
+        self.vtoken_settings = settings
+        self.vtoken = self._make_tracker()
+        self.vtoken.record_events = record_events
+        self._num_vtoken_steps = 0
 
     # ---- hooks ---------------------------------------------------------------------------------
 
@@ -92,6 +113,8 @@ class VTokenScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         self.vtoken.complete_moves()
+        for req_id, rows in (getattr(model_runner_output, SCORES_ATTRIBUTE, None) or {}).items():
+            self.vtoken.add_scores(req_id, rows)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)

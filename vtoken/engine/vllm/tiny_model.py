@@ -1,9 +1,9 @@
-"""A tiny random Llama and a locally trained tokenizer, made offline, for tests and demos.
+"""A tiny random Llama for the vLLM tier, made offline; the tokenizer is `vtoken.models.tiny`'s.
 
-Nothing is downloaded: the weights come from a seeded generator and the tokenizer is a
-byte-level BPE trained on a built-in text. The same seed writes the same files, so vLLM and
-transformers load exactly the same model. Random weights repeat themselves; compare
-log-probabilities, not only greedy tokens.
+`vtoken.models.tiny.build_tiny_model` (the hf executor's) has head dim 16, which vLLM's CPU
+attention kernels do not support (32, 64, 80, ...), so the vLLM tests build this one: the same
+tokenizer, head dim 32. Nothing is downloaded and the same seed writes the same weights, so vLLM
+and transformers load exactly the same model. Compare log-probabilities, not only greedy tokens.
 """
 
 from __future__ import annotations
@@ -12,27 +12,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-_CORPUS = (
-    "The paged key value cache stores the keys and values of every token in blocks. "
-    "A token level eviction policy marks tokens dead without touching memory, and the "
-    "reclaimer packs live tokens so that whole blocks come free. Attention sinks keep the "
-    "first tokens, a sliding window keeps the most recent ones, heavy hitters keep the "
-    "tokens that received the most attention. Serving engines batch many requests at once "
-    "and preempt the newest request when memory runs out. "
-)
-
-
 @dataclass(frozen=True)
 class TinyLlamaSpec:
-    """Shape of the tiny model. head_dim 64 is one the vLLM CPU attention kernels support."""
+    """Shape of the tiny model: head_dim 32 (one the vLLM CPU kernels support), small enough that
+    vLLM and transformers agree within ~4e-7 in fp32 while an eviction moves log-probs by ~1e-3."""
 
     num_layers: int = 2
-    hidden_size: int = 256
+    hidden_size: int = 128
     num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 512
-    vocab_size: int = 1024
+    intermediate_size: int = 256
+    vocab_size: int = 512
     max_position_embeddings: int = 4096
+    weight_std: float = 0.02
+    embedding_std: float = 1.0
     seed: int = 0
 
     @property
@@ -48,13 +41,15 @@ def make_tiny_llama(directory: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> P
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from vtoken.models.tiny import build_tokenizer
+
     directory = Path(directory)
     stamp = directory / "vtoken_tiny_spec.json"
     wanted = json.dumps(spec.__dict__, sort_keys=True)
     if stamp.exists() and stamp.read_text() == wanted:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(spec.vocab_size)
+    tokenizer = build_tokenizer(spec.vocab_size)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -69,34 +64,17 @@ def make_tiny_llama(directory: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> P
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
-        # Larger-than-default weights give peaked, position-sensitive attention, so a
-        # wrong key, position or mask shows up in the log-probabilities.
+        # Unit-scale embeddings make every token's hidden state distinct, so a wrong key,
+        # position or mask shows up in the log-probabilities.
         for name, param in model.named_parameters():
             if param.dim() == 2:
-                param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+                param.normal_(0.0, spec.embedding_std if "embed" in name else spec.weight_std)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     stamp.write_text(wanted)
     return directory
-
-
-def _train_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")

@@ -34,6 +34,7 @@ import numpy as np
 
 from vtoken.engine.vllm.compaction import live_positions, naive_num_blocks, plan_compaction
 from vtoken.engine.vllm.plan import StepPlan
+from vtoken.engine.vllm.scores import AttentionStats
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_unique_mapping
@@ -45,10 +46,15 @@ from vtoken.policies.base import RequestView
 
 @dataclass(frozen=True)
 class EvictionEvent:
-    """Tokens a request lost when its KV held `num_tokens` tokens (ids ascending)."""
+    """Tokens a request lost when its KV held `num_tokens` tokens (ids ascending).
+
+    `is_resume`: the request was preempted and recomputed; its KV was rebuilt from all tokens
+    and the same tokens were evicted again at this length (not a new policy decision).
+    """
 
     num_tokens: int
     token_ids: np.ndarray
+    is_resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class _Request:
     pending_dst: list[np.ndarray] = field(default_factory=list)
     has_moves_in_flight: bool = False
     events: list[EvictionEvent] = field(default_factory=list)
+    scores: AttentionStats | None = None  # only for policies that need attention
 
     @property
     def num_evicted_tokens(self) -> int:
@@ -94,15 +101,16 @@ class _Request:
 
 
 class VTokenTracker:
-    def __init__(self, settings: VllmSettings, num_blocks: int, block_size: int) -> None:
+    def __init__(self, settings: VllmSettings, num_blocks: int, block_size: int, num_heads_layers: int = 1) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.num_heads_layers = num_heads_layers  # attention rows are summed over heads and layers
         self.ledger = BlockPool(num_blocks, block_size)
         self.vllm_id_of = np.full(num_blocks, -1, dtype=np.int64)  # ledger id -> vLLM block id
         self.policy = make_policy(settings.eviction.policy, seed=settings.seed)
         self.requests: dict[str, _Request] = {}
         self._resumed: dict[str, _Request] = {}  # preempted: waits for its recompute
-        self.finished_events: dict[str, list[EvictionEvent]] = {}  # kept only with record_events
+        self.finished_events: dict[int, list[EvictionEvent]] = {}  # by req_idx; only with record_events
         self.record_events = False
         self._next_req_idx = 0
         self._req_idx_of: dict[str, int] = {}
@@ -118,6 +126,11 @@ class VTokenTracker:
             self._req_idx_of[req_id] = self._next_req_idx
             self._next_req_idx += 1
         return self._req_idx_of[req_id]
+
+    @property
+    def num_requests_seen(self) -> int:
+        """req_idx the next new request gets."""
+        return self._next_req_idx
 
     def manager_offset(self, req_id: str) -> int:
         state = self.requests.get(req_id)
@@ -157,8 +170,13 @@ class VTokenTracker:
             self.vllm_id_of[ledger_ids] = new_vllm_ids
         table.sync_new_tokens(ledger_ids, table.num_tokens + num_new_tokens)
 
-    def take_step_plan(self, scheduled_req_ids: list[str], score_req_ids: frozenset[str] = frozenset()) -> StepPlan:
-        """Moves planned since the last step, lengths of the scheduled requests, truncations."""
+    @property
+    def needs_scores(self) -> bool:
+        return self.settings.evicts and self.policy.needs_attention
+
+    def take_step_plan(self, scheduled_req_ids: list[str]) -> StepPlan:
+        """Moves planned since the last step, lengths of the scheduled requests, truncations,
+        and which requests' attention the policy needs (not a recompute after preemption)."""
         src, dst = [], []
         for req_id, state in self.requests.items():
             if state.pending_src:
@@ -169,11 +187,26 @@ class VTokenTracker:
         num_evicted = {r: self.requests[r].num_evicted_tokens for r in scheduled_req_ids
                        if r in self.requests and self.requests[r].num_evicted_tokens}
         truncations, self._truncations = self._truncations, {}
+        score_req_ids = frozenset()
+        if self.needs_scores:
+            score_req_ids = frozenset(r for r in scheduled_req_ids if self.requests[r].resume_evicted_ids is None)
         empty = np.zeros(0, dtype=np.int64)
         return StepPlan(np.concatenate(src) if src else empty, np.concatenate(dst) if dst else empty,
-                        num_evicted, truncations, score_req_ids)
+                        num_evicted, truncations, score_req_ids, self.settings.check_invariants)
 
     # ---- update_from_output --------------------------------------------------------------------
+
+    def add_scores(self, req_id: str, rows: np.ndarray) -> None:
+        """Attention rows of the last forward, keys in physical order (positions 0..live-1)."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return
+        live_ids, positions = live_positions(state.table)
+        ids_by_position = np.empty(live_ids.size, dtype=np.int64)
+        ids_by_position[positions] = live_ids
+        if state.scores is None:
+            state.scores = AttentionStats(self.num_heads_layers)
+        state.scores.add(ids_by_position[: rows.shape[1]], rows)
 
     def complete_moves(self) -> None:
         """The step that carried the pending copies has run: their data has landed."""
@@ -189,7 +222,7 @@ class VTokenTracker:
             raise VTokenError(f"request {req_id}: vLLM computed {num_kv_tokens} tokens, its table has {state.table.num_tokens}")
         if state.resume_evicted_ids is not None:
             victims, state.resume_evicted_ids = state.resume_evicted_ids, None
-            self._evict(req_id, state, victims, record=False)
+            self._evict(req_id, state, victims, record=True, is_resume=True)
             return
         if num_output_tokens < state.next_eviction_at:
             return
@@ -205,9 +238,14 @@ class VTokenTracker:
         num_tokens = table.num_tokens
         token_ids = table.live_token_ids()
         num_keep = budget.num_keep_tokens(num_tokens)
-        return RequestView(state.req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens, budget.num_recent_tokens)
+        scores = (None, None, None)
+        if self.policy.needs_attention:
+            stats = state.scores or AttentionStats(self.num_heads_layers)
+            scores = stats.of(token_ids)
+        return RequestView(state.req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens,
+                           budget.num_recent_tokens, *scores)
 
-    def _evict(self, req_id: str, state: _Request, victims: np.ndarray, record: bool) -> None:
+    def _evict(self, req_id: str, state: _Request, victims: np.ndarray, record: bool, is_resume: bool = False) -> None:
         table = state.table
         live_before = table.live_token_ids()
         table.evict_tokens(victims)
@@ -217,6 +255,9 @@ class VTokenTracker:
         emptied = np.asarray(table.block_ids_held[num_dense_blocks:], dtype=np.int64)
         table.release_blocks(emptied)
         self.ledger.free(emptied)
+        # New tokens go right after the packed live tokens, where vLLM will write them; the
+        # table keeps its cursor where it was unless the tail block itself was released.
+        table.tail_num_written = table.num_live_tokens - (table.num_blocks - 1) * self.block_size
         if moves.num_moves:
             state.pending_src.append(self.vllm_id_of[moves.src_block_ids] * self.block_size + moves.src_offsets)
             state.pending_dst.append(self.vllm_id_of[moves.dst_block_ids] * self.block_size + moves.dst_offsets)
@@ -230,7 +271,7 @@ class VTokenTracker:
         self.counters["tokens_evicted"] += int(victims.size)
         self.counters["eviction_events"] += 1
         if record and self.record_events:
-            state.events.append(EvictionEvent(table.num_tokens, np.sort(victims).astype(np.int64)))
+            state.events.append(EvictionEvent(table.num_tokens, np.sort(victims).astype(np.int64), is_resume))
         if self.settings.check_invariants:
             self._check(req_id, table, np.setdiff1d(live_before, victims))
 
@@ -287,17 +328,20 @@ class VTokenTracker:
         self.ledger.free(np.asarray(state.table.release_all(), dtype=np.int64))
         if is_finished:
             if self.record_events:
-                self.finished_events[req_id] = state.events
+                self.finished_events[state.req_idx] = state.events
             return
         self.counters["preemptions"] += 1
         table = TokenTable(state.req_idx, self.ledger, capacity=max(64, state.table.num_tokens))
-        resumed = _Request(state.req_idx, table, state.next_eviction_at, events=state.events)
+        resumed = _Request(state.req_idx, table, state.next_eviction_at, events=state.events, scores=state.scores)
         resumed.resume_evicted_ids = evicted if evicted.size else None
         self._resumed[req_id] = resumed
 
-    def events(self, req_id: str) -> list[EvictionEvent]:
-        state = self.requests.get(req_id) or self._resumed.get(req_id)
-        return state.events if state is not None else self.finished_events.get(req_id, [])
+    def events_of(self, req_idx: int) -> list[EvictionEvent]:
+        """Recorded evictions of a request by its integer id (the order requests were added)."""
+        for state in (*self.requests.values(), *self._resumed.values()):
+            if state.req_idx == req_idx:
+                return state.events
+        return self.finished_events.get(req_idx, [])
 
     # ---- metrics -------------------------------------------------------------------------------
 

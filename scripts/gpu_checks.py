@@ -1,0 +1,166 @@
+"""GPU checks of the vLLM integration (issue 7, item 8), for a machine with a CUDA GPU.
+
+    python scripts/gpu_checks.py --out DIR        (scripts/gpu_checks.sh wraps it)
+
+Each check prints one line and writes DIR/gpu_checks.json; a check that cannot run (no vLLM with
+CUDA, no SmolLM2) is reported as skipped with the reason, never as passed.
+
+1. copy-layout   cuda_slot_copy on a [2, blocks, block, heads, dim] tensor, on a side stream with
+                 an event the compute stream waits on, equals plain indexing byte for byte
+2. copy-kernel   (vLLM) the same against vLLM's reshape_and_cache_flash writing the tokens at the
+                 destinations, byte for byte
+3. exactness     (vLLM) tiny Llama, fp16: native, naive-evict and vtoken (StreamingLLM, both
+                 reclaim modes) against the transformers reference with the eviction mask
+4. speed         (vLLM + SmolLM2) benchmarks/bench_vllm.py at batch 4, fp16, block size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def check_copy_layout() -> dict:
+    from vtoken.engine.vllm.kv_layout import cuda_slot_copy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    blocks, block_size, heads, dim = 64, 16, 8, 128
+    kv = torch.randn(2, blocks, block_size, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.randperm(blocks * block_size, device="cuda", generator=g)[:2048]
+    src, dst = slots[:1024], slots[1024:]
+    expected = kv.clone().view(2, -1, heads, dim)
+    expected[:, dst] = expected[:, src]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.cuda.stream(stream):
+        num_bytes = cuda_slot_copy([kv], src, dst, block_size)
+        done = torch.cuda.Event()
+        done.record(stream)
+    torch.cuda.current_stream().wait_event(done)
+    result = kv.view(2, -1, heads, dim).clone()  # on the compute stream: after the event
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    ok = torch.equal(result.view(torch.int16), expected.view(torch.int16))
+    return {"passed": ok, "bytes": num_bytes, "GB_per_s": num_bytes / elapsed / 1e9}
+
+
+def check_copy_kernel() -> dict:
+    try:
+        from vllm import _custom_ops as ops
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"vLLM with CUDA not importable: {exc}"}
+    from vtoken.engine.vllm.kv_layout import cuda_slot_copy
+
+    blocks, block_size, heads, dim = 32, 16, 4, 64
+    g = torch.Generator(device="cuda").manual_seed(1)
+    key = torch.randn(200, heads, dim, device="cuda", generator=g, dtype=torch.float16)
+    value = torch.randn(200, heads, dim, device="cuda", generator=g, dtype=torch.float16)
+    slots = torch.randperm(blocks * block_size, device="cuda", generator=g)[:400]
+    src, dst = slots[:200], slots[200:]
+    moved = torch.zeros(2, blocks, block_size, heads, dim, device="cuda", dtype=torch.float16)
+    expected = moved.clone()
+    scale = torch.ones((), device="cuda")
+
+    def write(cache, at):
+        ops.reshape_and_cache_flash(key, value, cache[0], cache[1], at, "auto", scale, scale)
+
+    write(moved, src)
+    cuda_slot_copy([moved], src, dst, block_size)
+    write(expected, src)
+    write(expected, dst)
+    return {"passed": torch.equal(moved.view(torch.int16), expected.view(torch.int16))}
+
+
+def check_exactness() -> dict:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"vLLM not importable: {exc}"}
+    import numpy as np
+
+    from vtoken.engine.vllm.engine import EngineSpec, generate, open_llm, scheduler_of
+    from vtoken.engine.vllm.reference import reference_logprobs
+    from vtoken.engine.vllm.settings import settings_from_additional_config
+    from vtoken.engine.vllm.tiny_model import make_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    model_dir = str(make_tiny_llama(Path("/tmp/vtoken-gpu-tiny")))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (50, 70, 90)]
+    errors = {}
+    spec = EngineSpec(model_dir, block_size=16, kv_cache_memory_bytes=64 << 20, max_model_len=1024, dtype="float16")
+    base = {"policy": "streaming_llm", "budget": 40, "num_sink_tokens": 4, "num_recent_tokens": 16,
+            "interval_tokens": 8, "theta_f": 0.01, "check_invariants": True}
+    with open_llm(spec, settings_from_additional_config({"vtoken": base}), record_events=True) as llm:
+        for variant, mode in (("native", "hole-fill"), ("naive-evict", "hole-fill"), ("vtoken", "hole-fill"), ("vtoken", "ordered")):
+            scheduler_of(llm).reconfigure(settings_from_additional_config({"vtoken": {**base, "variant": variant, "reclaim_mode": mode}}))
+            worst = 0.0
+            for gen in generate(llm, prompts, 40):
+                expected = reference_logprobs(reference, gen.prompt_ids, gen.token_ids, gen.events)
+                worst = max(worst, float(np.abs(np.array(gen.logprobs) - expected).max()))
+            errors[f"{variant}/{mode}"] = worst
+    native = errors["native/hole-fill"]
+    return {"passed": all(e <= max(2 * native, 1e-3) for e in errors.values()), "max_abs_logprob_error": errors,
+            "note": "fp16 in vLLM against an fp32 reference: evicting variants must stay within 2x native's error"}
+
+
+def check_speed(out: Path) -> dict:
+    try:
+        import vllm  # noqa: F401
+        from vtoken.models.smollm2 import smollm2_dir
+
+        model = str(smollm2_dir())
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"needs vLLM and SmolLM2: {exc}"}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--model", model, "--dtype", "float16",
+            "--block-size", "16", "--json", "--variants", "native,naive-evict,vtoken"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=420)
+    (out / "bench_vllm.stderr.txt").write_text(done.stderr[-20000:])
+    if done.returncode:
+        return {"passed": False, "error": done.stderr[-2000:]}
+    result = json.loads(done.stdout)
+    ratio = result["results"]["vtoken"]["x_native"]
+    return {"passed": ratio <= 1.10, "x_native": ratio, "bench": result}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/vtoken-gpu")))
+    parser.add_argument("--skip-speed", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 2
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    checks = [("copy-layout", check_copy_layout), ("copy-kernel", check_copy_kernel), ("exactness", check_exactness)]
+    if not args.skip_speed:
+        checks.append(("speed", lambda: check_speed(args.out)))
+    for name, check in checks:
+        try:
+            results[name] = check()
+        except Exception:  # noqa: BLE001  (report every check, whatever breaks)
+            results[name] = {"passed": False, "error": traceback.format_exc()[-3000:]}
+        status = "SKIP" if "skipped" in results[name] else ("PASS" if results[name].get("passed") else "FAIL")
+        print(f"{status:4s} {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'bench'})[:400]}", flush=True)
+    (args.out / "gpu_checks.json").write_text(json.dumps(results, indent=2, default=str))
+    return 0 if all(r.get("passed", True) for k, r in results.items() if isinstance(r, dict)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The audit's measurement: per policy, the three replays and what vToken recovers, then the
+largest concurrency each variant fits.
+
+Every figure is a time-weighted mean of one closed-loop replay (vtoken.metrics). The
+definitions that are the audit's own (`vtoken.audit.report.DEFINITIONS`, printed by the CLI):
+
+- trapped bytes (of a policy): naive-evict's trapped bytes, (allocated blocks x S - live tokens)
+  x KV bytes per token: what the policy "freed" that stays allocated.
+- reclaimable bytes = max(0, trapped(naive-evict) - trapped(vtoken)): both runs make the same
+  eviction decisions, so this is the memory vToken's compaction returns to the free pool on
+  average; reclaimable blocks = reclaimable bytes / KV bytes per block.
+- room for more requests = floor(reclaimable blocks / vtoken's retained blocks per request).
+- max concurrency (per variant): the largest C <= frontier_max_concurrency at which C requests
+  all resident from t = 0 never need more blocks than the budget (`analysis.frontier`), found
+  by a galloping bisection that assumes feasibility is monotone in C.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from vtoken.analysis import frontier
+from vtoken.audit.deployment import Deployment
+from vtoken.engine import EvictionConfig, RunConfig, run_sim
+from vtoken.metrics import RunResult
+from vtoken.trace import Request
+
+AUDIT_VARIANTS = ("native", "naive-evict", "vtoken")
+
+AuditProgress = Callable[[str, int, int], None]  # (stage, units done, units in all)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    max_concurrency: int
+    is_lower_bound: bool  # feasible at the search cap: the true maximum is at least this
+
+
+@dataclass(frozen=True)
+class PolicyAudit:
+    """One policy on the deployment: the three runs and what vToken recovers (module docstring)."""
+
+    policy: str
+    runs: Mapping[str, RunResult]  # native, naive-evict, vtoken; native is shared by all policies
+    capacity: Mapping[str, Capacity]
+    reclaimable_bytes: float
+    reclaimable_blocks: float
+    room_for_more_requests: int
+
+    @property
+    def evicted(self) -> RunResult:
+        """The naive-evict run: the waste the policy leaves without vToken."""
+        return self.runs["naive-evict"]
+
+
+class _Tracker:
+    """Adapts per-run completions and per-search ends to one (stage, done, total) stream."""
+
+    def __init__(self, progress: AuditProgress | None, num_total: int) -> None:
+        self.progress = progress
+        self.num_total = num_total
+        self.num_done = 0
+
+    def advance(self, stage: str, num_units: int) -> None:
+        self.num_done += num_units
+        if self.progress is not None:
+            self.progress(stage, self.num_done, self.num_total)
+
+
+def num_progress_units(deployment: Deployment, num_requests: int) -> int:
+    """Completed requests of every replay plus one unit per capacity search."""
+    num_runs = 1 + 2 * len(deployment.policies)
+    return num_runs * num_requests + num_runs
+
+
+def measure(deployment: Deployment, requests: Sequence[Request],
+            progress: AuditProgress | None = None) -> tuple[PolicyAudit, ...]:
+    """Replay `requests` through native once and naive-evict + vtoken per policy, closed loop at
+    the workload's concurrency on the deployment's block budget; then search the capacity."""
+    tracker = _Tracker(progress, num_progress_units(deployment, len(requests)))
+    base = run_config(deployment, deployment.policies[0])
+    native = _replay(replace(base, variant="native"), requests, tracker)
+    native_capacity = _capacity(replace(base, variant="native"), requests, deployment, None)
+    tracker.advance("capacity native", 1)
+    audits = []
+    for policy in deployment.policies:
+        config = run_config(deployment, policy)
+        runs = {"native": native}
+        capacity = {"native": native_capacity}
+        guess = native_capacity.max_concurrency
+        for variant in ("naive-evict", "vtoken"):
+            runs[variant] = _replay(replace(config, variant=variant), requests, tracker)
+            capacity[variant] = _capacity(replace(config, variant=variant), requests, deployment, guess)
+            guess = capacity[variant].max_concurrency
+            tracker.advance(f"capacity {policy}", 1)
+        audits.append(_policy_audit(policy, runs, capacity, deployment))
+    return tuple(audits)
+
+
+def run_config(deployment: Deployment, policy: str) -> RunConfig:
+    return RunConfig(
+        variant="vtoken", model=deployment.model, gpu=deployment.gpu, num_blocks=deployment.num_blocks,
+        block_size=deployment.block_size,
+        eviction=EvictionConfig(policy, deployment.budget, deployment.interval_tokens),
+        concurrency=deployment.workload.concurrency, seed=deployment.seed,
+    )
+
+
+def _replay(config: RunConfig, requests: Sequence[Request], tracker: _Tracker) -> RunResult:
+    stage = config.variant if config.variant == "native" else f"{config.eviction.policy} {config.variant}"
+    num_done = 0
+
+    def on_progress(num_units: int) -> None:
+        nonlocal num_done
+        num_done += num_units
+        tracker.advance(stage, num_units)
+
+    result = run_sim(config, requests, on_progress)
+    tracker.advance(stage, len(requests) - num_done)  # skipped requests complete nothing
+    return result
+
+
+def _policy_audit(policy: str, runs: dict[str, RunResult], capacity: dict[str, Capacity],
+                  deployment: Deployment) -> PolicyAudit:
+    reclaimable_bytes = max(0.0, runs["naive-evict"].trapped_bytes - runs["vtoken"].trapped_bytes)
+    reclaimable_blocks = reclaimable_bytes / deployment.kv_bytes_per_block
+    per_request = runs["vtoken"].retained_blocks_per_request
+    room = math.floor(reclaimable_blocks / per_request) if per_request > 0 else 0
+    return PolicyAudit(policy, runs, capacity, reclaimable_bytes, reclaimable_blocks, room)
+
+
+# ---- capacity: the largest concurrency that fits ------------------------------------------------
+
+
+def _capacity(config: RunConfig, requests: Sequence[Request], deployment: Deployment, guess: int | None) -> Capacity:
+    """Largest C <= frontier_max_concurrency with `analysis.frontier` feasible for this variant.
+
+    `guess` (another variant's answer; the cap when None) is probed first.
+    """
+    cap = deployment.frontier_max_concurrency
+    is_feasible = _memoized(lambda c: frontier(config, requests, (c,), (config.variant,)).points[0].is_feasible)
+    found = _largest_feasible(is_feasible, 0, cap + 1, cap if guess is None else guess)
+    return Capacity(found, found == cap)
+
+
+def _largest_feasible(is_feasible: Callable[[int], bool], lo: int, hi: int, guess: int) -> int:
+    """Largest c in [lo, hi) with is_feasible(c), given that lo is feasible (or 0), hi is not,
+    and feasibility is monotone. Probes `guess`, gallops away from it, then bisects."""
+    if hi - lo <= 1:
+        return lo
+    guess = min(max(guess, lo + 1), hi - 1)
+    if is_feasible(guess):
+        lo, step = guess, 1
+        while lo + step < hi and is_feasible(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(hi, lo + step)
+    else:
+        hi, step = guess, 1
+        while hi - step > lo and not is_feasible(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(lo, hi - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if is_feasible(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _memoized(func: Callable[[int], bool]) -> Callable[[int], bool]:
+    seen: dict[int, bool] = {}
+
+    def call(c: int) -> bool:
+        if c not in seen:
+            seen[c] = func(c)
+        return seen[c]
+
+    return call

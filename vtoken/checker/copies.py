@@ -1,0 +1,133 @@
+"""The copy engine of a checked run, and the wrappers that keep every copy in flight across
+the next forward, so that the ordering the runtime must respect really has a window:
+
+- on CPU the copy engine runs `deferred` and its data lands only after that forward
+  (`OverlappingDeferredCopyEngine`);
+- on CUDA it runs `async` on a side stream and its completion is reported only after that
+  forward (`ReportAfterForwardCopyEngine`).
+
+`CopyEngineWrapper` is also the base of the fault that substitutes plans (`faults.py`).
+"""
+
+from __future__ import annotations
+
+from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.kv_cache import PagedKVCache
+from vtoken.kv.reclaim import RelocationPlan
+
+
+def copy_mode_for(device: str) -> str:
+    """`async` on a CUDA stream; on CPU `deferred`, so that copies land one step after launch."""
+    return "async" if device == "cuda" else "deferred"
+
+
+def make_copy_engine(kv_cache: PagedKVCache) -> CopyEngine:
+    """The copy engine of a checked run: every plan stays in flight across the next forward."""
+    engine = CopyEngine(kv_cache, copy_mode_for(kv_cache.device.type))
+    if engine.mode == "deferred":
+        return OverlappingDeferredCopyEngine(engine)
+    return ReportAfterForwardCopyEngine(engine)
+
+
+class CopyEngineWrapper:
+    """Delegates to a copy engine; subclasses change one part of its behaviour."""
+
+    def __init__(self, inner: CopyEngine) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    @property
+    def in_flight_plans(self) -> list[RelocationPlan]:
+        return self._inner.in_flight_plans
+
+    def launch(self, plan: RelocationPlan) -> None:
+        self._inner.launch(plan)
+
+    def wait_before_forward(self) -> None:
+        self._inner.wait_before_forward()
+
+    def poll_completed(self) -> list[RelocationPlan]:
+        return self._inner.poll_completed()
+
+    def cancel(self, req_id: int) -> None:
+        self._inner.cancel(req_id)
+
+    def drain(self) -> list[RelocationPlan]:
+        return self._inner.drain()
+
+
+class OverlappingDeferredCopyEngine(CopyEngineWrapper):
+    """`deferred` copies that stay in flight across the next forward, as a copy on a side stream
+    overlaps the next forward on a GPU.
+
+    The runtime polls right after it launches (so that `sync` plans complete in the same step).
+    A deferred copy completes at its second poll, so with that poll counted the data would land
+    at the start of the next step, before its forward: no forward would ever run with a copy in
+    flight, and I3 would have nothing to check. The poll right after a launch is not passed on.
+    """
+
+    def __init__(self, inner: CopyEngine) -> None:
+        super().__init__(inner)
+        self._has_launched_since_poll = False
+
+    def launch(self, plan: RelocationPlan) -> None:
+        self._inner.launch(plan)
+        self._has_launched_since_poll = True
+
+    def poll_completed(self) -> list[RelocationPlan]:
+        if self._has_launched_since_poll:
+            self._has_launched_since_poll = False
+            return []
+        return self._inner.poll_completed()
+
+    def drain(self) -> list[RelocationPlan]:
+        self._has_launched_since_poll = False
+        return self._inner.drain()
+
+
+class ReportAfterForwardCopyEngine(CopyEngineWrapper):
+    """`async` copies (CUDA) whose completion is reported only once a forward ran while they
+    were in flight. A small copy on the side stream may land before the host polls again; the
+    runtime must behave the same when it has not, and this makes that case happen every time."""
+
+    def __init__(self, inner: CopyEngine) -> None:
+        super().__init__(inner)
+        self._landed: list[RelocationPlan] = []  # completed by the inner engine, not reported yet
+        self._num_forwards: dict[int, int] = {}  # id(plan) -> forwards begun since its launch
+
+    @property
+    def in_flight_plans(self) -> list[RelocationPlan]:
+        return self._landed + self._inner.in_flight_plans
+
+    def launch(self, plan: RelocationPlan) -> None:
+        self._inner.launch(plan)
+        self._num_forwards[id(plan)] = 0
+
+    def wait_before_forward(self) -> None:
+        self._inner.wait_before_forward()
+        for key in self._num_forwards:
+            self._num_forwards[key] += 1
+
+    def poll_completed(self) -> list[RelocationPlan]:
+        # the first forward begins right after the poll that follows its wait: 2 = one forward passed
+        self._landed += self._inner.poll_completed()
+        ready = [p for p in self._landed if self._num_forwards[id(p)] >= 2]
+        self._landed = [p for p in self._landed if self._num_forwards[id(p)] < 2]
+        for plan in ready:
+            del self._num_forwards[id(plan)]
+        return ready
+
+    def cancel(self, req_id: int) -> None:
+        for plan in self.in_flight_plans:
+            if plan.req_id == req_id:
+                del self._num_forwards[id(plan)]
+        self._landed = [p for p in self._landed if p.req_id != req_id]
+        self._inner.cancel(req_id)
+
+    def drain(self) -> list[RelocationPlan]:
+        plans = self._landed + self._inner.drain()
+        self._landed = []
+        self._num_forwards.clear()
+        return plans
