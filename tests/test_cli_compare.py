@@ -102,3 +102,14 @@ def test_request_larger_than_the_budget_is_reported(tmp_path):
     result = invoke(trace, "--num-blocks", "100", "--no-sweep", "--no-frontier", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["variants"]["native"]["num_skipped"] == 1
+
+
+def test_open_loop_replays_trace_timestamps():
+    result = invoke(str(SAMPLE), "--max-requests", "40", "--num-blocks", "2000", "--open-loop", "--no-sweep",
+                    "--no-frontier", "--json")
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    assert printed["config"]["concurrency"] is None
+    # the 40 requests arrive over several seconds of trace time, so the makespan covers them
+    trace = load_trace(SAMPLE, max_requests=40)
+    assert printed["variants"]["native"]["makespan_s"] >= trace.requests[-1].arrival_s

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -42,6 +42,7 @@ def compare_command(
     gpu_mem_util: Annotated[float, typer.Option(help="Fraction of GPU memory for weights + KV (as vLLM's gpu_memory_utilization).")] = 0.9,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     concurrency: Annotated[int, typer.Option(help="Closed-loop clients for the headline run.")] = 16,
+    open_loop: Annotated[bool, typer.Option("--open-loop", help="Headline run: requests arrive at their trace timestamps instead of from --concurrency closed-loop clients (the sweep and frontier stay closed-loop).")] = False,
     concurrencies: Annotated[str, typer.Option(help="Concurrencies of the sweep and the frontier.")] = ",".join(map(str, DEFAULT_CONCURRENCIES)),
     reclaim_mode: Annotated[str, typer.Option(help=f"vToken planning mode: {', '.join(RECLAIM_MODES)}.")] = "hole-fill",
     theta_f: Annotated[float, typer.Option("--theta-f", help="Reclaim only when the waste ratio F is at least this.")] = 0.25,
@@ -74,6 +75,8 @@ def compare_command(
         policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
         theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile,
     )
+    if open_loop:
+        config = replace(config, concurrency=None)
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
                              sla_ref_concurrency, repeats, sweep and executor == "sim", frontier and executor == "sim")
     loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests)
@@ -107,7 +110,7 @@ def _hf_report(report: CompareReport, explain: bool) -> Group:
              f"model {hf.model} (transformers, {cfg.model.kv_bytes_per_token} KV bytes/token); "
              f"{cfg.num_blocks} blocks of {cfg.block_size} tokens",
              f"policy {cfg.eviction.policy}, {cfg.eviction.budget.describe()}, every {cfg.eviction.interval_tokens} tokens; "
-             f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}); closed loop C={cfg.concurrency}; seed {cfg.seed}"]
+             f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}); {render.arrivals_phrase(cfg)}; seed {cfg.seed}"]
     lines += [f"note: {n}" for n in report.trace.notes]
     if hf.naive_vs_vtoken is not None:
         a = hf.naive_vs_vtoken
