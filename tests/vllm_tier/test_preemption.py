@@ -18,7 +18,7 @@ from vtoken.engine.vllm.engine import EngineSpec, generate, open_llm, scheduler_
 from vtoken.engine.vllm.reference import reference_logprobs  # noqa: E402
 from vtoken.engine.vllm.settings import settings_from_additional_config  # noqa: E402
 
-NUM_BLOCKS = 8  # 7 usable blocks of 32 tokens (vLLM keeps one null block); three requests need 9 to 13
+NUM_BLOCKS = 6  # 5 usable blocks of 32 tokens (vLLM keeps one null block); three requests need 9 to 13
 
 
 def settings(variant: str, policy: str = "streaming_llm"):

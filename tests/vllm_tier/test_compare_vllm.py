@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import replace
 
@@ -19,6 +20,8 @@ from vtoken.kv.reclaim import ReclaimConfig  # noqa: E402
 from vtoken.model_spec import resolve_model  # noqa: E402
 from vtoken.policies.base import Budget  # noqa: E402
 from vtoken.trace import load_trace  # noqa: E402
+from vtoken_cli import render  # noqa: E402
+from rich.console import Console  # noqa: E402
 
 LENGTHS = [(60, 40), (90, 50), (40, 60), (120, 30), (70, 45), (50, 55)]
 
@@ -48,6 +51,10 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
     payload = report_to_json(report)
     assert payload["config"]["executor"] == "vllm" and payload["config"]["num_blocks"] == 16
     assert payload["variants"]["vtoken"]["tokens_moved"] > 0
+    # the CLI's renderer takes the report as it takes a sim report without sweep and frontier
+    console = Console(file=io.StringIO(), width=160)
+    console.print(render.compare_report(report, False))
+    assert "vtoken" in console.file.getvalue()
 
 
 def test_check_invariants_on_vllm(trace, tiny_model_dir):

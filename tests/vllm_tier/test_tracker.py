@@ -211,3 +211,13 @@ def test_cuda_layout_copy_moves_token_rows(layout):
     num_bytes = cuda_slot_copy([kv], torch.tensor([3]), torch.tensor([2 * block_size + 5]), block_size)
     assert torch.equal(token(kv, 2, 5), expected)
     assert num_bytes == 2 * heads * dim * 4
+
+
+def test_a_request_finishing_on_its_recompute_records_the_resume():
+    tracker = tracker_after_prefill()
+    tracker.record_events = True
+    tracker.drop("a", is_finished=False)
+    tracker.sync("a", 11, [2, 5, 6])  # the recompute samples the last token; the request ends
+    tracker.drop("a", is_finished=True)
+    event = tracker.events_of(0)[-1]
+    assert event.is_resume and event.num_tokens == 11 and event.token_ids.tolist() == [1, 2, 3, 4]
