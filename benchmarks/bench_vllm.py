@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from vtoken.engine.vllm.engine import EngineSpec, open_llm, scheduler_of
+from vtoken.engine.vllm.engine import EngineSpec, open_llm, scheduler_of, set_engine_env
 from vtoken.engine.vllm.settings import settings_from_additional_config
 
 
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    set_engine_env()  # before vLLM is imported: its logs go to stderr, the JSON to stdout
     model = args.model
     if model is None:
         from vtoken.models.smollm2 import smollm2_dir

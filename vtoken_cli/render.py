@@ -79,7 +79,7 @@ def _with_ci(report: CompareReport, variant: str, key: str, fmt: str) -> str:
 
 def sweep_table(report: CompareReport) -> Table | Text:
     if report.sla is None:
-        return Text("sweep skipped (--no-sweep)")
+        return Text("sweep skipped (--no-sweep, or an executor other than sim)")
     sla = report.sla
     title = (f"Concurrency sweep: SLA = {sla.factor} x naive-evict p95 {sla.metric} at C={sla.reference_concurrency}"
              f" = {sla.threshold_s:.2f} s   (* = C_sel, ✗ = over SLA)")
@@ -103,7 +103,7 @@ def sweep_table(report: CompareReport) -> Table | Text:
 def frontier_table(report: CompareReport) -> Table | Text:
     fr = report.frontier
     if fr is None:
-        return Text("frontier skipped (--no-frontier)")
+        return Text("frontier skipped (--no-frontier, or an executor other than sim)")
     title = (f"Capacity frontier: budget {fr.budget_blocks} blocks; max feasible C: "
              + ", ".join(f"{v} {c}" for v, c in fr.max_feasible_concurrency.items())
              + f"; ideal packing {fr.ideal_max_concurrency}")

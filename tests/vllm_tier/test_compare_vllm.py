@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.vllm.conftest import VLLM_MISSING, VLLM_PROBE
+from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE
 
 pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vllm.conftest import VLLM_MISSING, VLLM_PROBE, prompts
+from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE, prompts
 
 pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 

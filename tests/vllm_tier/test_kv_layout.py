@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import VLLM_MISSING, VLLM_PROBE
+from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE
 
 pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 

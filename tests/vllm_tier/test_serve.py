@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.vllm.conftest import VLLM_MISSING, VLLM_PROBE
+from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE
 
 pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 

@@ -25,6 +25,7 @@ WORKER_CLS = "vtoken.engine.vllm.worker.VTokenWorker"
 ENGINE_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",  # the integration hooks the V1 model runner
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # pinning to one core crawls on shared CPUs
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout is for data (--json)
 }
 
 

@@ -325,6 +325,10 @@ class VTokenTracker:
         if state is None:
             return
         evicted = np.flatnonzero(~state.table.live)
+        if is_finished and state.resume_evicted_ids is not None and self.record_events:
+            # It finished on the token its recompute sampled, before the re-eviction: that
+            # token saw every token, which the recorded resume length tells the reference.
+            state.events.append(EvictionEvent(state.table.num_tokens, state.resume_evicted_ids, is_resume=True))
         self.ledger.free(np.asarray(state.table.release_all(), dtype=np.int64))
         if is_finished:
             if self.record_events:
