@@ -232,7 +232,7 @@ def test_cuda_async_copies_pass_clean_and_catch_early_reads() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"executor": "hf"}, "unknown executor 'hf'; check-invariants runs on: sim"),
+    ({"executor": "vllm"}, "unknown executor 'vllm'; check-invariants runs on: sim, hf"),
     ({"policies": ("lru",)}, "unknown policy 'lru'"),
     ({"reclaim_modes": ("magic",)}, "unknown reclaim mode 'magic'"),
     ({"fault": "bit-flip"}, "unknown fault 'bit-flip'; choose one of: drop-copy, stale-slot, double-map, early-read, shared-block"),

@@ -113,7 +113,7 @@ def test_output_dir_gets_the_json_and_a_csv(tmp_path):
     "args, message",
     [
         (["--policy", "lru"], "unknown policy 'lru'"),
-        (["--executor", "hf"], "unknown executor 'hf'; check-invariants runs on: sim"),
+        (["--executor", "tpu"], "unknown executor 'tpu'; check-invariants runs on: sim, hf, vllm"),
         (["missing.jsonl"], "missing.jsonl"),
         (["--reclaim-mode", "magic"], "unknown reclaim mode 'magic'"),
         (["--inject-fault", "bit-flip"], "unknown fault 'bit-flip'"),

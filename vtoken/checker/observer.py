@@ -1,11 +1,16 @@
 """The observer that sees every event of a checked run and checks I1-I4 (DESIGN.md §3) on it:
 
-    on_synced          write the new tokens' K/V: a pure function of (owner, token id)
+    on_synced          sim: write the new tokens' K/V, a pure function of (owner, token id)
     on_plan            I4  re-derived from the table, the pool and the copy engine's in-flight list
+                       hf: snapshot the request's K/V before the launch
     on_forward         I3  every slot attention reads: not an in-flight copy destination, the
-                           token's mapped slot, and holding the token's K/V
+                           token's mapped slot, and (sim) holding the token's K/V
     on_plan_completed  I2  one slot per live token over all tables, counts agree with the pool
                        I1  the same live ids, and every live token's mapped slot holds its K/V
+                           (sim: the book's; hf: the snapshot's)
+
+What differs between the executors is one object, `contents`: `KVContents` (contents.py) for the
+sim's synthetic K/V, `ModelKVSnapshots` (snapshots.py) for a real model's.
 
 Violations are recorded, not raised. A run goes on after an I1 or I3 violation (after an I1
 content loss the checker restores the lost K/V, so one lost copy is reported once and not again
@@ -15,14 +20,18 @@ and what followed would only report consequences or crash.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
+import torch
 
 from vtoken.checker.contents import KVContents
 from vtoken.checker.faults import Fault
-from vtoken.checker.report import INVARIANTS, Tally, Violation
+from vtoken.checker.report import INVARIANTS, RunCheck, Tally, Violation
 from vtoken.checker.scenarios import Scenario
+from vtoken.checker.snapshots import ModelKVSnapshots
 from vtoken.engine.runtime import Runtime
 from vtoken.engine.scheduler import Batch
 from vtoken.errors import InvariantError, VTokenError
@@ -42,13 +51,13 @@ class _RunStopped(Exception):
 class CheckingObserver:
     """Receives the runtime's events and checks I1-I4 on each; records violations."""
 
-    def __init__(self, scenario: Scenario, contents: KVContents, copy_engine: CopyEngine, fault: Fault) -> None:
+    def __init__(self, scenario: Scenario, fault: Fault) -> None:
         self.scenario = scenario
-        self.contents = contents
-        self.copy_engine = copy_engine
         self.fault = fault
         self.block_size = scenario.config.block_size
         self.runtime: Runtime | None = None
+        self.contents: KVContents | ModelKVSnapshots | None = None
+        self.copy_engine: CopyEngine | None = None
         self.num_relocations = 0
         self.num_tokens_moved = 0
         self._num_checked = dict.fromkeys(INVARIANTS, 0)
@@ -57,8 +66,11 @@ class CheckingObserver:
         self._num_tokens_launched: dict[int, int] = {}  # req_idx -> tokens of its plan in flight
         self._num_forwards = 0
 
-    def bind(self, runtime: Runtime) -> None:
+    def bind(self, runtime: Runtime, contents: KVContents | ModelKVSnapshots) -> None:
+        """Watch `runtime` (its copy engine as it launches plans) with `contents` over its KV."""
         self.runtime = runtime
+        self.copy_engine = runtime.copy_engine
+        self.contents = contents
 
     def run(self, on_progress: Callable[[int], None]) -> str | None:
         """Run the bound runtime to the end; returns why it stopped early, or None."""
@@ -87,7 +99,7 @@ class CheckingObserver:
             self.fault.adopt_table(table)
         token_ids = np.arange(num_tokens_before, table.num_tokens)
         slots = table.block_ids[token_ids] * self.block_size + table.offsets[token_ids]
-        self.contents.write(table, token_ids, slots)
+        self.contents.place(table, token_ids, slots)
 
     def on_forward(self, batch: Batch, in_flight_plans: list[RelocationPlan]) -> None:
         self._num_forwards += 1
@@ -101,6 +113,7 @@ class CheckingObserver:
         in_flight = self.copy_engine.in_flight_plans
         if not self._check("I4", lambda: check_plan_independently(plan, table, self.runtime.pool, in_flight)):
             raise _RunStopped("stopped after an I4 violation: the runtime was about to launch the plan")
+        self.contents.snapshot(plan, table)
 
     def on_plan_completed(self, plan: RelocationPlan, table: TokenTable, live_ids_before: np.ndarray) -> None:
         self.num_relocations += 1
@@ -122,23 +135,19 @@ class CheckingObserver:
         live_ids = table.live_token_ids()
         check_conservation(table.req_id, live_ids_before, live_ids)
         slots = table.block_ids[live_ids] * self.block_size + table.offsets[live_ids]
-        mismatched = self.contents.mismatched(table, live_ids, slots)
-        if np.any(mismatched):
-            lost = live_ids[mismatched]
-            self.contents.write(table, lost, slots[mismatched])
-        check_contents(table.req_id, live_ids, slots, mismatched, self.block_size)
+        check_contents(table.req_id, live_ids, slots, self.contents.lost(table, live_ids, slots), self.block_size)
 
     def _check_reads(self, table: TokenTable, in_flight_plans: list[RelocationPlan]) -> None:
         """I3: every slot attention reads (the table's slot cache) is no pending copy
-        destination, is the token's mapped slot, and holds the token's K/V."""
+        destination, is the token's mapped slot, and holds the token's K/V (where known)."""
         read_slots = table.slots()
         check_visibility(table.req_id, read_slots, in_flight_plans, self.block_size)
         live_ids = table.live_token_ids()
         mapped = table.block_ids[live_ids] * self.block_size + table.offsets[live_ids]
         if read_slots.shape != mapped.shape or not np.array_equal(read_slots, mapped):
             self._raise_stale_read(table, live_ids, read_slots, mapped)
-        mismatched = self.contents.mismatched(table, live_ids, read_slots)
-        if np.any(mismatched):
+        mismatched = self.contents.misread(table, live_ids, read_slots)
+        if mismatched is not None and np.any(mismatched):
             i = int(np.flatnonzero(mismatched)[0])
             self._raise_read(table, int(live_ids[i]), int(read_slots[i]),
                              f"reads K/V that is not its own ({int(mismatched.sum())} tokens differ)")
@@ -190,6 +199,44 @@ class CheckingObserver:
         if req_idx is None or self.runtime is None:
             return None
         return next((s.table for s in self.runtime.scheduler.running if s.req_idx == req_idx), None)
+
+
+def run_checked(observer: CheckingObserver, on_progress: Callable[[int], None] | None = None) -> RunCheck:
+    """Run the runtime bound to `observer` to the end; what was checked and what failed.
+    `on_progress(n)`: n more requests finished (the rest are reported at the end)."""
+    started = time.perf_counter()
+    runtime, scenario, config = observer.runtime, observer.scenario, observer.scenario.config
+    num_done = [0]
+
+    def count_done(n: int) -> None:
+        num_done[0] += n
+        if on_progress is not None:
+            on_progress(n)
+
+    stopped = observer.run(count_done)
+    if on_progress is not None and num_done[0] < len(scenario.requests):
+        on_progress(len(scenario.requests) - num_done[0])
+    return RunCheck(
+        scenario=scenario.name, policy=config.eviction.policy, reclaim_mode=config.reclaim.mode,
+        block_size=config.block_size, num_blocks=config.num_blocks, num_requests=len(scenario.requests),
+        num_completed=runtime.recorder_completed(), relocation_events=observer.num_relocations,
+        tokens_moved=observer.num_tokens_moved, preemptions=runtime.scheduler.num_preemptions,
+        faults_injected=observer.fault.num_injected, stopped=stopped, tallies=observer.tallies(),
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+@contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """Run torch ops on `num_threads` threads, restored after. The sim's KV tensors are tiny:
+    scattering a 2,000-token prefill through the intra-op thread pool took 23 ms on two cores,
+    on one 0.2 ms."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check_plan_independently(plan: RelocationPlan, table: TokenTable, pool: BlockPool,

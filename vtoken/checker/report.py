@@ -28,6 +28,20 @@ CHECK_UNITS = {
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """Per-token K/V geometry of the checked KV cache: [num_layers, 2, slots, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name: float32, bfloat16, float16
+
+
+# The sim's synthetic K/V (contents.py); the hf executor's is its model's.
+SYNTHETIC_KV_LAYOUT = KVLayout(KV_NUM_LAYERS, KV_NUM_HEADS, KV_HEAD_DIM, str(KV_DTYPE).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
 class Violation:
     invariant: str
     message: str
@@ -117,8 +131,9 @@ class CheckReport(_Totals):
     options: CheckOptions
     device: str
     copy_mode: str
-    notes: tuple[str, ...]  # how the traces were cut down
+    notes: tuple[str, ...]  # how the traces were cut down; hf: which model and prompts
     elapsed_s: float
+    kv_layout: KVLayout = SYNTHETIC_KV_LAYOUT
 
     @property
     def relocation_events_per_s(self) -> float:
@@ -163,8 +178,7 @@ def _config_json(report: CheckReport) -> dict:
     base, options = report.base, report.options
     return {
         "executor": options.executor, "device": report.device, "copy_mode": report.copy_mode,
-        "kv_shape": {"num_layers": KV_NUM_LAYERS, "num_kv_heads": KV_NUM_HEADS, "head_dim": KV_HEAD_DIM,
-                     "dtype": str(KV_DTYPE).removeprefix("torch.")},
+        "kv_shape": vars(report.kv_layout).copy(),
         "model": base.model.name, "gpu": base.gpu.name, "block_size": options.block_size or base.block_size,
         "num_blocks": options.num_blocks, "budget": base.eviction.budget.describe(),
         "eviction_interval_tokens": base.eviction.interval_tokens, "concurrency": base.concurrency,

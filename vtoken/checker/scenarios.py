@@ -1,6 +1,7 @@
 """What a check runs: the options (`CheckOptions`, `TraceLimits`) and the scenarios built from
 them (`build_scenarios`): every trace, cut down to the limits, x policy x reclaim mode on a
-block budget under pressure, plus seeded random draws (`fuzz_scenario`)."""
+block budget under pressure, plus seeded random draws (`fuzz_scenario`). The hf executor runs a
+real model, so its traces are cut down harder by default (`default_limits`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
 from vtoken.policies.base import Budget
 from vtoken.trace import Request, Trace
 
-EXECUTORS = ("sim",)
+EXECUTORS = ("sim", "hf")
 SAMPLE_TRACES_DIR = Path(vtoken.__file__).resolve().parent.parent / "sample_traces"
 TRACE_SUFFIXES = (".jsonl", ".csv", ".json")
 # Share of the peak blocks of the `concurrency` largest requests that the default budget gives:
@@ -41,6 +42,16 @@ class TraceLimits:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+# The hf executor runs a real model: every sample trace still, cut down harder. With the tiny
+# default model on one CPU core that is about 150 relocations in 5 s.
+HF_LIMITS = TraceLimits(max_requests=8, max_prompt_tokens=512, max_output_tokens=64)
+
+
+def default_limits(executor: str) -> TraceLimits:
+    """How far traces are cut down unless the options say otherwise."""
+    return HF_LIMITS if executor == "hf" else TraceLimits()
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,11 @@ class Scenario:
     name: str
     requests: tuple[Request, ...]
     config: RunConfig
+
+    @property
+    def label(self) -> str:
+        """What the progress bar shows: name policy/mode."""
+        return f"{self.name} {self.config.eviction.policy}/{self.config.reclaim.mode}"
 
 
 def bundled_sample_traces() -> list[Path]:
