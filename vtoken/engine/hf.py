@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -36,6 +35,7 @@ from vtoken.engine.config import RunConfig
 from vtoken.engine.hf_forward import PagedDecoder
 from vtoken.engine.runtime import Runtime
 from vtoken.engine.scheduler import Batch, ReqState
+from vtoken.engine.scores import AttentionStats
 from vtoken.engine.sim import StepLoad
 from vtoken.errors import ConfigError
 from vtoken.kv.copy_engine import CopyEngine
@@ -129,35 +129,6 @@ class RequestOutput:
         return self.token_ids[self.num_prompt_tokens :]
 
 
-class AttentionScores:
-    """Per-token attention statistics of one request, indexed by logical id."""
-
-    def __init__(self, capacity: int, num_heads_layers: int, window: int) -> None:
-        self.attention_sum = np.zeros(capacity)
-        self.attention_last = np.zeros(capacity)
-        self.importance_count = np.zeros(capacity, dtype=np.int32)
-        self._num_heads_layers = num_heads_layers
-        self._window: deque[np.ndarray] = deque()
-        self._window_size = window
-
-    def add(self, key_ids: np.ndarray, rows: np.ndarray, num_keys_read: np.ndarray) -> None:
-        """`rows` [queries, keys]: attention summed over heads and layers of consecutive queries
-        to `key_ids`; query i read `num_keys_read[i]` of them (the rest are 0)."""
-        self.attention_sum[key_ids] += rows.sum(axis=0)
-        self.attention_last[:] = 0.0
-        self.attention_last[key_ids] = rows[-1] / self._num_heads_layers
-        first = max(0, rows.shape[0] - self._window_size)
-        thresholds = self._num_heads_layers / num_keys_read[first:, None]  # the row's mean, unnormalized
-        for important in rows[first:] >= thresholds:
-            self._push(key_ids[important])
-
-    def _push(self, important_ids: np.ndarray) -> None:
-        self.importance_count[important_ids] += 1
-        self._window.append(important_ids)
-        if len(self._window) > self._window_size:
-            self.importance_count[self._window.popleft()] -= 1
-
-
 class _Record:
     """Mutable, private: one request's tokens, log-probabilities, eviction history, scores."""
 
@@ -172,7 +143,7 @@ class _Record:
         self.logprobs: list[float] = []
         self.evicted_at = np.full(capacity, NEVER, dtype=np.int64)
         self.num_exact_from = 0
-        self.scores: AttentionScores | None = None
+        self.scores: AttentionStats | None = None
 
     def append(self, token_id: int, logprob: float) -> None:
         self.token_ids[self.num_ids] = token_id
@@ -269,10 +240,10 @@ class HFExecutor:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(array, device=self.device)
 
-    def _new_scores(self, record: _Record) -> AttentionScores | None:
+    def _new_scores(self, record: _Record) -> AttentionStats | None:
         if not self.collect_scores:
             return None
-        return AttentionScores(record.token_ids.size, self._num_heads_layers, self.importance_window)
+        return AttentionStats(self._num_heads_layers, self.importance_window)
 
     # ---- what the runtime asks -------------------------------------------------------------
 
@@ -282,8 +253,7 @@ class HFExecutor:
         scores = self._records[req_idx].scores
         if scores is None:
             raise ConfigError("the policy needs attention scores but the hf executor was built with collect_scores=False")
-        return (scores.attention_sum[token_ids].copy(), scores.attention_last[token_ids].copy(),
-                scores.importance_count[token_ids].copy())
+        return scores.of(token_ids)
 
     def forget(self, req_idx: int) -> None:
         """The request left: drop its scores (its tokens and log-probabilities stay for `outputs`)."""

@@ -34,7 +34,7 @@ import numpy as np
 
 from vtoken.engine.vllm.compaction import live_positions, naive_num_blocks, plan_compaction
 from vtoken.engine.vllm.plan import StepPlan
-from vtoken.engine.vllm.scores import AttentionStats
+from vtoken.engine.scores import AttentionStats
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_unique_mapping

@@ -1,7 +1,7 @@
 """Per-token attention statistics of one request, as the policies read them. Pure numpy.
 
-The same definitions as the hf executor (vtoken/engine/hf.py), from rows of attention
-probabilities summed over heads and layers, one row per query:
+Shared by the hf and vllm executors, from rows of attention probabilities summed over heads
+and layers, one row per query:
 
     attention_sum[j]     sum over queries of the attention j received              (H2O)
     attention_last[j]    the latest query's attention to j, / (heads * layers)      (TOVA)
@@ -27,17 +27,18 @@ class AttentionStats:
         self._window: deque[np.ndarray] = deque()
         self._window_size = window
 
-    def add(self, key_ids: np.ndarray, rows: np.ndarray) -> None:
-        """`rows` [queries, keys] over `key_ids`: query i is the (keys - queries + i)-th key and
-        read the keys up to itself (causal); entries past that are 0."""
+    def add(self, key_ids: np.ndarray, rows: np.ndarray, num_keys_read: np.ndarray | None = None) -> None:
+        """`rows` [queries, keys] over `key_ids`; query i read `num_keys_read[i]` of the keys (the
+        rest of its row is 0). Default: causal, query i is the (keys - queries + i)-th key."""
         self._reserve(int(key_ids.max(initial=-1)) + 1)
         num_queries, num_keys = rows.shape
+        if num_keys_read is None:
+            num_keys_read = num_keys - num_queries + 1 + np.arange(num_queries)
         self.attention_sum[key_ids] += rows.sum(axis=0)
         self.attention_last[:] = 0.0
         self.attention_last[key_ids] = rows[-1] / self._num_heads_layers
         first = max(0, num_queries - self._window_size)
-        num_keys_read = num_keys - num_queries + 1 + np.arange(first, num_queries)
-        thresholds = self._num_heads_layers / num_keys_read[:, None]
+        thresholds = self._num_heads_layers / np.asarray(num_keys_read)[first:, None]  # the row's mean, unnormalized
         for important in rows[first:] >= thresholds:
             self._push(key_ids[important])
 
