@@ -113,7 +113,7 @@ def test_unique_mapping_passes_on_a_clean_state_with_a_shared_prefix() -> None:
 
 def test_a_slot_claimed_twice_raises() -> None:
     pool, owner, sharer = shared_setup()
-    sharer.offsets[10] = 1  # token 10 onto token 9's slot (block 3, offset 1)
+    sharer.token_slots[10] = 3 * S + 1  # token 10 onto token 9's slot (block 3, offset 1)
     with raises("I2", r"slot 13 \(block 3, offset 1\) is claimed by request 1 token 9 and request 1 token 10") as raised:
         check_unique_mapping(pool, [owner, sharer])
     assert raised.value.where == {"req_id": 1, "token_id": 10, "block_id": 3, "offset": 1}
@@ -124,8 +124,8 @@ def test_a_slot_claimed_by_two_requests_raises() -> None:
     a = make_table(pool, 6)  # blocks 0, 1
     b = make_table(pool, 2, req_id=1)  # block 2
     pool.share(np.array([1]))
-    b.block_ids_held.insert(0, 1)  # b also holds block 1 (not as a pinned prefix)
-    b.block_ids[0], b.offsets[0] = 1, 0  # and maps its token 0 onto a's token 4
+    b.adopt_blocks(np.array([1]))  # b also holds block 1 (not as a pinned prefix)
+    b.token_slots[0] = 1 * S + 0  # and maps its token 0 onto a's token 4
     with raises("I2", "is claimed by request 0 token 4 and request 1 token 0"):
         check_unique_mapping(pool, [a, b])
 
@@ -134,7 +134,7 @@ def test_a_token_mapped_outside_its_blocks_raises() -> None:
     pool = BlockPool(16, S)
     a = make_table(pool, 6)
     make_table(pool, 2, req_id=1)  # block 2
-    a.block_ids[5] = 2
+    a.token_slots[5] = 2 * S + int(a.offsets[5])  # block 1 -> block 2
     with raises("I2", "request 0: token 5 maps to block 2 it does not hold"):
         check_unique_mapping(pool, [a])
 
@@ -156,7 +156,7 @@ def test_a_reference_no_table_holds_raises() -> None:
 
 def test_a_token_mapped_into_a_shared_prefix_block_raises() -> None:
     pool, owner, sharer = shared_setup()
-    sharer.block_ids[10], sharer.offsets[10] = 1, 0  # onto the shared prefix
+    sharer.token_slots[10] = 1 * S + 0  # onto the shared prefix
     pool.adjust_live(np.array([3]), np.array([-1]))
     with raises("I2", "block 1: pool counts 4 live tokens, the tables map 5"):
         check_unique_mapping(pool, [owner, sharer])
@@ -164,7 +164,7 @@ def test_a_token_mapped_into_a_shared_prefix_block_raises() -> None:
 
 def test_a_pinned_token_out_of_place_raises() -> None:
     pool, owner, sharer = shared_setup()
-    sharer.offsets[[5, 6]] = sharer.offsets[[6, 5]]
+    sharer.token_slots[[5, 6]] = sharer.token_slots[[6, 5]]
     with raises("I2", "request 1: pinned prefix token 5 is not live at its place"):
         check_unique_mapping(pool, [owner, sharer])
 
@@ -256,3 +256,20 @@ def test_a_plan_whose_copy_would_overwrite_or_free_the_wrong_slots_raises(rows, 
     bad = replace(plan, moves=moves(rows), src_block_ids=np.array(src_block_ids))
     with raises("I4", match):
         check_plan(bad, table, pool, frozenset())
+
+
+def test_a_reverse_map_entry_that_disagrees_with_the_table_raises() -> None:
+    pool, owner, sharer = shared_setup()
+    slot = int(sharer.token_slots[10])
+    pool.token_at[slot] = 9  # the reclaimer would plan token 9 out of token 10's slot
+    with raises("I2", f"request 1: token 10 sits at slot {slot} but the pool's reverse map names token 9 there"):
+        check_unique_mapping(pool, [owner, sharer])
+
+
+def test_a_stale_reverse_map_entry_raises() -> None:
+    pool, owner, sharer = shared_setup()
+    slot = int(sharer.token_slots[10])
+    sharer.evict_tokens(np.array([10]))
+    pool.token_at[slot] = 10  # eviction forgot to clear it
+    with raises("I2", "the pool's reverse map holds"):
+        check_unique_mapping(pool, [owner, sharer])

@@ -60,7 +60,7 @@ class SubstrateMachine(RuleBasedStateMachine):
         for num_tokens in num_prompt_tokens:
             self.admit(num_tokens, share_idx=None, num_pin_blocks=num_tokens % 2)
         for idx in range(len(self.tables)):
-            self.evict(idx, num_victims=int(0.4 * self.pick(idx).num_tokens) + 1, seed=seed + idx)
+            self.evict(idx, num_victims=int(0.4 * self.pick(idx).num_tokens) + 1, seed=seed + idx, one_by_one=False)
         self.plan_and_launch(mode, max_src_blocks=4)
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -127,13 +127,17 @@ class SubstrateMachine(RuleBasedStateMachine):
             self.prefix_owners.append(table.req_id)
 
     @precondition(lambda self: self.tables)
-    @rule(idx=st.integers(0, 10), num_new_tokens=st.integers(1, 6))
-    def grow(self, idx: int, num_new_tokens: int) -> None:
-        self.grow_table(self.pick(idx), num_new_tokens)
+    @rule(idx=st.integers(0, 10), num_new_tokens=st.integers(1, 6), decode_steps=st.booleans())
+    def grow(self, idx: int, num_new_tokens: int, decode_steps: bool) -> None:
+        """One sync of several tokens, or one decode step per token (appends the pool counts lazily)."""
+        table = self.pick(idx)
+        for _ in range(num_new_tokens if decode_steps else 1):
+            if not self.grow_table(table, 1 if decode_steps else num_new_tokens):
+                return
 
     @precondition(lambda self: self.tables)
-    @rule(idx=st.integers(0, 10), num_victims=st.integers(1, 12), seed=st.integers(0, 2**16))
-    def evict(self, idx: int, num_victims: int, seed: int) -> None:
+    @rule(idx=st.integers(0, 10), num_victims=st.integers(1, 12), seed=st.integers(0, 2**16), one_by_one=st.booleans())
+    def evict(self, idx: int, num_victims: int, seed: int, one_by_one: bool) -> None:
         table = self.pick(idx)
         candidates = table.live_token_ids()
         candidates = candidates[candidates >= table.num_pinned_tokens]
@@ -141,10 +145,11 @@ class SubstrateMachine(RuleBasedStateMachine):
             return
         rng = np.random.default_rng(seed)
         victims = rng.choice(candidates, size=min(num_victims, candidates.size), replace=False)
-        emptied = table.evict_tokens(victims)
-        if table.req_id not in self.busy_req_ids():
-            table.release_blocks(emptied)
-            self.pool.free(emptied)
+        for batch in np.split(victims, victims.size) if one_by_one else [victims]:
+            emptied = table.evict_tokens(batch)
+            if table.req_id not in self.busy_req_ids():
+                table.release_blocks(emptied)
+                self.pool.free(emptied)
 
     @rule(mode=st.sampled_from(["hole-fill", "ordered"]), max_src_blocks=st.integers(2, 5))
     def plan_and_launch(self, mode: str, max_src_blocks: int) -> None:

@@ -136,8 +136,8 @@ def test_slot_cache_is_appended_on_growth_and_rebuilt_once_after_eviction(monkey
     table = make_table(make_pool(), 5)
     assert table.slots().tolist() == [0, 1, 2, 3, 4]
     rebuilds = []
-    original = table.live_token_ids
-    monkeypatch.setattr(table, "live_token_ids", lambda: rebuilds.append(1) or original())
+    original = table._rebuild_slot_cache
+    monkeypatch.setattr(table, "_rebuild_slot_cache", lambda: rebuilds.append(1) or original())
     grow(table, 4)
     assert table.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert rebuilds == []  # appended, not rebuilt
@@ -150,17 +150,17 @@ def test_slot_cache_is_appended_on_growth_and_rebuilt_once_after_eviction(monkey
     assert len(rebuilds) == 1
 
 
-def test_a_slots_result_taken_earlier_does_not_change_later() -> None:
+def test_slots_without_a_dead_token_is_the_token_slot_array_and_a_first_eviction_copies_it() -> None:
     table = make_table(make_pool(), 12)
-    taken = []
-    for change in (lambda: grow(table, 3), lambda: table.evict_tokens(np.array([5])),
-                   lambda: table.apply_moves(make_moves([(14, 3, 2, 1, 1)])), lambda: table.evict_tokens(np.array([0, 7]))):
-        slots = table.slots()
-        taken.append((slots, slots.tolist()))
-        change()
+    taken = table.slots()
+    assert np.shares_memory(taken, table.token_slots)  # no second copy while every token is live
+    table.evict_tokens(np.array([5]))
+    assert not np.shares_memory(table.slots(), table.token_slots)
+    assert table.slots().tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+    grow(table, 3)
+    table.apply_moves(make_moves([(14, 3, 2, 1, 1)]))
+    table.evict_tokens(np.array([0, 7]))
     assert table.slots().tolist() == [1, 2, 3, 4, 6, 8, 9, 10, 11, 12, 13, 5]  # token 14 moved to slot 5
-    for slots, as_taken in taken:
-        assert slots.tolist() == as_taken
 
 
 def test_table_state_is_numpy_arrays_not_python_objects_per_token() -> None:
@@ -477,3 +477,23 @@ def test_an_empty_shared_prefix_is_a_no_op() -> None:
     table.attach_shared_prefix(np.zeros(0, dtype=np.int64), 0)
     assert (table.num_tokens, table.num_pinned_tokens, table.block_ids_held) == (0, 0, [])
     assert grow(table, 2) == [0]
+
+
+def test_evicting_from_a_tail_with_appends_not_yet_counted_does_not_call_it_empty() -> None:
+    table = make_table(make_pool(), 5)  # block 0 full, token 4 at block 1 offset 0
+    grow(table, 1)  # token 5: a decode step, counted by the pool lazily
+    grow(table, 1)
+    assert table.evict_tokens(np.array([4])).tolist() == []
+    assert table.pool.live_counts[1] == 2 and table.pool.num_live_tokens == 6
+    assert table.pool.token_at[[4, 5, 6]].tolist() == [-1, 5, 6]
+
+
+def test_pool_reads_count_the_decode_appends_of_every_table() -> None:
+    pool = make_pool()
+    a, b = make_table(pool, 2), make_table(pool, 3, req_id=1)
+    for _ in range(3):
+        grow(a, 1)
+        grow(b, 1)
+    assert pool.live_counts[:4].tolist() == [4, 4, 2, 1]  # a: blocks 0, 3; b: blocks 1, 2
+    assert (pool.num_live_tokens, pool.waste_ratio()) == (11, 1 - 11 / 16)
+    assert pool.utilization_histogram().tolist() == [0, 0, 1, 0, 0, 1, 0, 0, 0, 2]

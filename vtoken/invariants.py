@@ -5,7 +5,8 @@ mutates anything. They are independent of the planner's own gates: I4 re-derives
 must satisfy from the table and the pool.
 
 - I1 token conservation: relocation keeps the set of live ids and every live token's K/V.
-- I2 unique mapping: one slot per live token, no slot claimed twice, pool counts = tables'.
+- I2 unique mapping: one slot per live token, no slot claimed twice, pool counts and the pool's
+  reverse map (slot -> token, which the reclaimer plans from) = the tables'.
 - I3 pre-attention visibility: attention never reads a slot whose copy has not landed.
 - I4 layout-aware planning: consistent snapshot, no overlap in flight, strict block decrease,
   no shared or pinned block touched.
@@ -72,6 +73,7 @@ def check_unique_mapping(pool: BlockPool, tables: Sequence[TokenTable]) -> None:
         expected_live[block_id] += block_size  # counted once; a stray token there shows as S + 1
     _check_no_slot_twice(claimed, block_size)
     _check_counts(pool, expected_live, expected_refs)
+    _check_reverse_map(pool, claimed, len(shared_block_ids))
 
 
 def _check_pinned_prefix(table: TokenTable) -> None:
@@ -117,6 +119,27 @@ def _check_counts(pool: BlockPool, expected_live: np.ndarray, expected_refs: np.
         raise InvariantError("I2", f"block {b}: ref count {int(pool.ref_counts[b])}, held by {int(expected_refs[b])} requests", block_id=b)
     if pool.num_live_tokens != int(pool.live_counts.sum()):
         raise InvariantError("I2", f"pool total {pool.num_live_tokens} live tokens, blocks sum to {int(pool.live_counts.sum())}")
+
+
+def _check_reverse_map(pool: BlockPool, claimed: list[np.ndarray], num_shared_blocks: int) -> None:
+    """`pool.token_at` names each live token at its slot and nothing else (pinned prefix blocks
+    are full: S entries each, written once by their owner)."""
+    token_at = pool.token_at
+    if claimed:
+        req_ids, token_ids, slots = np.concatenate(claimed, axis=1)
+        wrong = np.flatnonzero(token_at[slots] != token_ids)
+        if wrong.size:
+            i, slot = int(wrong[0]), int(slots[wrong[0]])
+            raise InvariantError(
+                "I2", f"request {int(req_ids[i])}: token {int(token_ids[i])} sits at slot {slot} but the pool's reverse map "
+                f"names token {int(token_at[slot])} there", req_id=int(req_ids[i]), token_id=int(token_ids[i]),
+                block_id=slot // pool.block_size, offset=slot % pool.block_size)
+        num_live = slots.size
+    else:
+        num_live = 0
+    num_entries = int(np.count_nonzero(token_at >= 0)) - num_shared_blocks * pool.block_size
+    if num_entries != num_live:
+        raise InvariantError("I2", f"the pool's reverse map holds {num_entries} entries outside shared prefixes for {num_live} live tokens")
 
 
 def check_visibility(req_id: int, read_slots: np.ndarray, in_flight: Iterable[RelocationPlan], block_size: int) -> None:

@@ -164,7 +164,7 @@ class DoubleMap(Fault):
             live = moves.token_ids[table.live[moves.token_ids]]
             if live.size >= 2:
                 first, last = int(live[0]), int(live[-1])
-                table.block_ids[last], table.offsets[last] = table.block_ids[first], table.offsets[first]  # views
+                table.token_slots[last] = table.token_slots[first]  # a view: the table's own mapping
                 self.num_injected += 1
 
         table.apply_moves = apply_moves_mapping_twice

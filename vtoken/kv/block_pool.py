@@ -1,9 +1,14 @@
 """The physical KV block pool: a free list, ref counts and per-block live-token counts.
 
 The pool is the only owner of block state. Token tables tell it how many tokens of a block
-became live or dead (`adjust_live`); the runtime allocates and frees through it. The waste
+became live or dead (`adjust_live`) and which logical token sits in each slot (`token_at`, the
+reverse map the reclaimer plans from); the runtime allocates and frees through it. The waste
 ratio F (DESIGN.md Eq. 1) and the 10-bin utilization histogram are kept incrementally: every
 operation updates only the blocks it touches, so reading them is O(1).
+
+A decode step's append reaches the pool lazily: the table registers itself once with
+`defer_live` and its pending tokens are counted (`TokenTable.flush`) before any read of live
+counts, F, the histogram or `token_at` through the pool, so that every read is exact.
 
     F = 1 - sum(n_i) / (N * S)   over the N allocated blocks, n_i live tokens in block i
 """
@@ -29,17 +34,19 @@ class BlockPool:
         # and `peek_free` can tell a planner exactly which ids the next allocation returns.
         self._free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
-        self.live_counts = np.zeros(num_blocks, dtype=np.int32)
+        self._live_counts = np.zeros(num_blocks, dtype=np.int32)
+        # slot -> logical id of the live token stored there (-1: none); written by the tables
+        self._token_at = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self._deferred: list = []  # tables with appends not yet counted
         # bin of each block by u = n / S; bin 10 holds the free blocks and is never reported
         self._bin_of_count = self._make_bin_table(block_size)
-        self._histogram = np.zeros(NUM_HISTOGRAM_BINS + 1, dtype=np.int64)
-        self._histogram[NUM_HISTOGRAM_BINS] = num_blocks
+        self._histogram: list[int] = [0] * NUM_HISTOGRAM_BINS + [num_blocks]  # a list: scalar updates are cheap
         self._is_le_half = (2 * np.arange(block_size + 1) <= block_size).astype(np.int64)
         # the same two tables as lists, for the scalar path (`add_live`)
         self._bin_list: list[int] = self._bin_of_count.tolist()
         self._is_le_half_list: list[int] = self._is_le_half.tolist()
-        self.num_live_tokens = 0
-        self.num_blocks_le_half = 0
+        self._num_live_tokens = 0
+        self._num_blocks_le_half = 0
 
     @staticmethod
     def _make_bin_table(block_size: int) -> np.ndarray:
@@ -78,7 +85,7 @@ class BlockPool:
             self.ref_counts[block_id] = 1
             self._histogram[NUM_HISTOGRAM_BINS] -= 1
             self._histogram[0] += 1
-            self.num_blocks_le_half += 1
+            self._num_blocks_le_half += 1
             return np.array([block_id], dtype=np.int64)
         block_ids = self.peek_free(num_blocks)
         if num_blocks:
@@ -86,7 +93,7 @@ class BlockPool:
             self.ref_counts[block_ids] = 1
             self._histogram[NUM_HISTOGRAM_BINS] -= num_blocks
             self._histogram[0] += num_blocks
-            self.num_blocks_le_half += num_blocks
+            self._num_blocks_le_half += num_blocks
         return block_ids
 
     def share(self, block_ids: np.ndarray) -> None:
@@ -106,6 +113,8 @@ class BlockPool:
         block_ids = np.asarray(block_ids, dtype=np.int64)
         if block_ids.size == 0:
             return
+        if self._deferred:
+            self.flush_deferred()
         if block_ids.size == 1:
             self._free_one(int(block_ids.flat[0]))
             return
@@ -119,9 +128,10 @@ class BlockPool:
         if released.size == 0:
             return
         self._set_live(released, np.zeros(released.size, dtype=np.int32))
+        self._token_at[(released[:, None] * self.block_size + np.arange(self.block_size)).ravel()] = -1
         self._histogram[0] -= released.size
         self._histogram[NUM_HISTOGRAM_BINS] += released.size
-        self.num_blocks_le_half -= released.size
+        self._num_blocks_le_half -= released.size
         # released in reverse so that the lowest id of a batch is handed out first next time
         self._free_ids.extend(sorted(released.tolist(), reverse=True))
 
@@ -134,10 +144,11 @@ class BlockPool:
         self.ref_counts[block_id] -= 1
         if self.ref_counts[block_id] > 0:
             return
-        num_live = int(self.live_counts[block_id])
-        self.live_counts[block_id] = 0
-        self.num_live_tokens -= num_live
-        self.num_blocks_le_half -= self._is_le_half_list[num_live]
+        num_live = int(self._live_counts[block_id])
+        self._live_counts[block_id] = 0
+        self._token_at[block_id * self.block_size : (block_id + 1) * self.block_size] = -1
+        self._num_live_tokens -= num_live
+        self._num_blocks_le_half -= self._is_le_half_list[num_live]
         self._histogram[self._bin_list[num_live]] -= 1
         self._histogram[NUM_HISTOGRAM_BINS] += 1
         self._free_ids.append(block_id)
@@ -156,53 +167,133 @@ class BlockPool:
     # ---- live tokens -----------------------------------------------------------------------
 
     def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
-        """Add `deltas[i]` live tokens to `block_ids[i]` (ids distinct, blocks allocated)."""
+        """Add `deltas[i]` live tokens to `block_ids[i]` (ids distinct, blocks allocated).
+
+        Checked first, so that a rejected call changes nothing. Up to a few dozen blocks (a
+        relocation plan's usual case) go through Python integers: cheaper than the array path.
+        """
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        if block_ids.size > 32:
+            self._adjust_live_array(block_ids, np.asarray(deltas, dtype=np.int64))
+            return
+        pairs = list(zip(block_ids.tolist(), np.asarray(deltas).tolist()))
+        out_of_range = [b for b, _ in pairs if not 0 <= b < self.num_blocks]
+        if out_of_range:
+            raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): {out_of_range}")
+        ref_counts, live_counts = self.ref_counts, self._live_counts
+        free = [b for b, _ in pairs if ref_counts.item(b) <= 0]
+        if free:
+            raise VTokenError(f"live-count change on free blocks {free}")
+        outside = [b for b, d in pairs if not 0 <= live_counts.item(b) + d <= self.block_size]
+        if outside:
+            raise VTokenError(f"live count of blocks {outside} would leave [0, {self.block_size}]")
+        histogram, bin_of, is_le_half = self._histogram, self._bin_list, self._is_le_half_list
+        for block_id, delta in pairs:
+            old_count = live_counts.item(block_id)
+            new_count = old_count + delta
+            live_counts[block_id] = new_count
+            histogram[bin_of[old_count]] -= 1
+            histogram[bin_of[new_count]] += 1
+            self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
+            self._num_live_tokens += delta
+
+    def _adjust_live_array(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
         block_ids = self._checked_ids(block_ids, "adjust_live")
-        new_counts = self.live_counts[block_ids] + deltas
-        if np.any(self.ref_counts[block_ids] <= 0):
+        new_counts = self._live_counts[block_ids] + deltas
+        if (self.ref_counts[block_ids] <= 0).any():
             raise VTokenError(f"live-count change on free blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
-        if np.any(new_counts < 0) or np.any(new_counts > self.block_size):
+        if new_counts.min() < 0 or new_counts.max() > self.block_size:
             bad = block_ids[(new_counts < 0) | (new_counts > self.block_size)]
             raise VTokenError(f"live count of blocks {bad.tolist()} would leave [0, {self.block_size}]")
         self._set_live(block_ids, new_counts.astype(np.int32))
 
-    def add_live(self, block_id: int, delta: int) -> None:
-        """`adjust_live` for one block: the per-token path of growth and eviction."""
+    def add_live(self, block_id: int, delta: int) -> int:
+        """`adjust_live` for one block: the per-token path of growth and eviction. Returns the
+        block's new live count."""
         if not 0 <= block_id < self.num_blocks:
             raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): [{block_id}]")
-        if self.ref_counts[block_id] <= 0:
+        if self.ref_counts.item(block_id) <= 0:
             raise VTokenError(f"live-count change on free blocks [{block_id}]")
-        old_count = int(self.live_counts[block_id])
+        old_count = self._live_counts.item(block_id)
         new_count = old_count + delta
         if not 0 <= new_count <= self.block_size:
             raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
-        self.live_counts[block_id] = new_count
-        self._histogram[self._bin_list[old_count]] -= 1
-        self._histogram[self._bin_list[new_count]] += 1
-        self.num_blocks_le_half += self._is_le_half_list[new_count] - self._is_le_half_list[old_count]
-        self.num_live_tokens += delta
+        self._live_counts[block_id] = new_count
+        histogram, bin_of = self._histogram, self._bin_list
+        histogram[bin_of[old_count]] -= 1
+        histogram[bin_of[new_count]] += 1
+        is_le_half = self._is_le_half_list
+        self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
+        self._num_live_tokens += delta
+        return new_count
 
     def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> None:
-        old_counts = self.live_counts[block_ids]
-        np.subtract.at(self._histogram, self._bin_of_count[old_counts], 1)
-        np.add.at(self._histogram, self._bin_of_count[new_counts], 1)
-        self.num_blocks_le_half += int(self._is_le_half[new_counts].sum() - self._is_le_half[old_counts].sum())
-        self.num_live_tokens += int(new_counts.sum() - old_counts.sum())
-        self.live_counts[block_ids] = new_counts
+        old_counts = self._live_counts[block_ids]
+        bin_changes = (np.bincount(self._bin_of_count[new_counts], minlength=NUM_HISTOGRAM_BINS)
+                       - np.bincount(self._bin_of_count[old_counts], minlength=NUM_HISTOGRAM_BINS))
+        for bin_idx in np.flatnonzero(bin_changes).tolist():
+            self._histogram[bin_idx] += int(bin_changes[bin_idx])
+        self._num_blocks_le_half += int(self._is_le_half[new_counts].sum() - self._is_le_half[old_counts].sum())
+        self._num_live_tokens += int(new_counts.sum() - old_counts.sum())
+        self._live_counts[block_ids] = new_counts
+
+    # ---- reads (exact: deferred appends are counted first) -----------------------------------
+
+    def defer_live(self, table) -> None:
+        """`table` has appended tokens whose live counts it will hand over (`TokenTable.flush`)."""
+        self._deferred.append(table)
+
+    def flush_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for table in deferred:
+            table._is_deferred = False
+            table.flush()
+
+    @property
+    def live_counts(self) -> np.ndarray:
+        """Live tokens per block, [num_blocks] (read-only by convention: change through the tables)."""
+        if self._deferred:
+            self.flush_deferred()
+        return self._live_counts
+
+    @property
+    def token_at(self) -> np.ndarray:
+        """Logical id of the live token in each slot, -1 for none, [num_blocks * S]."""
+        if self._deferred:
+            self.flush_deferred()
+        return self._token_at
+
+    @property
+    def num_live_tokens(self) -> int:
+        if self._deferred:
+            self.flush_deferred()
+        return self._num_live_tokens
+
+    @property
+    def num_blocks_le_half(self) -> int:
+        if self._deferred:
+            self.flush_deferred()
+        return self._num_blocks_le_half
 
     # ---- metrics (O(1)) ----------------------------------------------------------------------
 
     def waste_ratio(self) -> float:
         """F (Eq. 1) over the allocated blocks; 0.0 for an empty pool."""
+        if self._deferred:
+            self.flush_deferred()
         num_allocated = self.num_allocated_blocks
         if num_allocated == 0:
             return 0.0
-        return 1.0 - self.num_live_tokens / (num_allocated * self.block_size)
+        return 1.0 - self._num_live_tokens / (num_allocated * self.block_size)
 
     def utilization_histogram(self) -> np.ndarray:
         """Allocated blocks per bin of u = live / S: [0, .1), [.1, .2), ..., [.9, 1.0]."""
-        return self._histogram[:NUM_HISTOGRAM_BINS].copy()
+        if self._deferred:
+            self.flush_deferred()
+        return np.array(self._histogram[:NUM_HISTOGRAM_BINS], dtype=np.int64)
 
     def frac_blocks_le_half(self) -> float:
+        if self._deferred:
+            self.flush_deferred()
         num_allocated = self.num_allocated_blocks
-        return self.num_blocks_le_half / num_allocated if num_allocated else 0.0
+        return self._num_blocks_le_half / num_allocated if num_allocated else 0.0

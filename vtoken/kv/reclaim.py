@@ -110,59 +110,57 @@ class Reclaimer:
         """
         candidates = []
         for table in tables:
-            if table.req_id in busy_req_ids or _max_reclaimable_blocks(table) <= 0:
+            if table.req_id in busy_req_ids or table.max_reclaimable_blocks() <= 0:
                 continue
-            num_reclaimable = num_reclaimable_blocks(table)
-            if num_reclaimable > 0:
-                candidates.append((-num_reclaimable, table.req_id, table))
+            movable = _Movable.of(table)
+            if movable.num_reclaimable > 0:
+                candidates.append((-movable.num_reclaimable, table.req_id, table, movable))
         candidates.sort(key=lambda c: (c[0], c[1]))
         plans: list[RelocationPlan] = []
         num_dst_used = 0
-        for _, _, table in candidates:
+        for _, _, table, movable in candidates:
             if self.config.mode == "hole-fill":
-                plan = plan_hole_fill(table, self.config.max_src_blocks)
+                plan = plan_hole_fill(table, self.config.max_src_blocks, movable)
             else:
-                plan = plan_ordered(table, self.config.max_src_blocks, self.pool, num_dst_used)
+                plan = plan_ordered(table, self.config.max_src_blocks, self.pool, num_dst_used, movable)
             if plan is not None:
                 plans.append(plan)
                 num_dst_used += plan.dst_new_block_ids.size
         return plans
 
 
+@dataclass(frozen=True)
+class _Movable:
+    """A request's movable blocks and their live counts, read once per planning pass."""
+
+    block_ids: np.ndarray
+    live_counts: np.ndarray
+    num_reclaimable: int
+
+    @classmethod
+    def of(cls, table: TokenTable) -> _Movable:
+        block_ids = movable_block_ids(table)
+        live_counts = table.pool.live_counts[block_ids]
+        num_live = int(live_counts.sum()) if block_ids.size else 0
+        return cls(block_ids, live_counts, block_ids.size - -(-num_live // table.block_size))
+
+
 def num_reclaimable_blocks(table: TokenTable) -> int:
     """Blocks a perfect packing of the request's relocatable live tokens would give back."""
-    block_ids = movable_block_ids(table)
-    if block_ids.size == 0:
-        return 0
-    num_live = int(table.pool.live_counts[block_ids].sum())
-    return block_ids.size - -(-num_live // table.block_size)
-
-
-def _max_reclaimable_blocks(table: TokenTable) -> int:
-    """An upper bound of `num_reclaimable_blocks` in O(1), from the table's counters: the held
-    blocks past the pinned prefix but the open tail, as if none were shared. It is a bound
-    because leaving out a block with at most S live tokens never raises the count."""
-    held = table.block_ids_held
-    num_blocks = len(held) - table.num_pinned_blocks
-    num_live = table.num_live_tokens - table.num_pinned_tokens
-    if num_blocks > 0 and table.tail_num_written < table.block_size:
-        num_blocks -= 1
-        num_live -= int(table.pool.live_counts[held[-1]])
-    return num_blocks - -(-num_live // table.block_size)
+    return _Movable.of(table).num_reclaimable
 
 
 def movable_block_ids(table: TokenTable) -> np.ndarray:
     """Blocks a plan may touch: held, not a pinned prefix, not the open tail, not shared."""
-    held = table.block_ids_held[table.num_pinned_blocks :]
-    if held and table.tail_num_written < table.block_size:
+    held = table.held_block_ids()[table.num_pinned_blocks :]
+    if held.size and table.tail_num_written < table.block_size:
         held = held[:-1]
-    block_ids = np.asarray(held, dtype=np.int64)
-    return block_ids[table.pool.ref_counts[block_ids] == 1]
+    return held[table.pool.ref_counts[held] == 1]
 
 
-def plan_hole_fill(table: TokenTable, max_src_blocks: int) -> RelocationPlan | None:
-    block_ids = movable_block_ids(table)
-    live_counts = table.pool.live_counts[block_ids]
+def plan_hole_fill(table: TokenTable, max_src_blocks: int, movable: _Movable | None = None) -> RelocationPlan | None:
+    movable = movable or _Movable.of(table)
+    block_ids, live_counts = movable.block_ids, movable.live_counts
     # Take sources from the end while their live tokens still fit in the earlier blocks' holes.
     num_src, num_src_live = 0, 0
     num_holes_before = np.cumsum(table.block_size - live_counts)  # holes in block_ids[:i+1]
@@ -180,9 +178,10 @@ def plan_hole_fill(table: TokenTable, max_src_blocks: int) -> RelocationPlan | N
     return RelocationPlan(table.req_id, "hole-fill", moves, np.sort(src_block_ids), np.zeros(0, np.int64), table.layout_version)
 
 
-def plan_ordered(table: TokenTable, max_src_blocks: int, pool: BlockPool, num_dst_used: int) -> RelocationPlan | None:
-    block_ids = movable_block_ids(table)
-    live_counts = pool.live_counts[block_ids]
+def plan_ordered(table: TokenTable, max_src_blocks: int, pool: BlockPool, num_dst_used: int,
+                 movable: _Movable | None = None) -> RelocationPlan | None:
+    movable = movable or _Movable.of(table)
+    block_ids, live_counts = movable.block_ids, movable.live_counts
     order = np.argsort(live_counts, kind="stable")
     src_block_ids = block_ids[order[:max_src_blocks]]
     src_block_ids = src_block_ids[pool.live_counts[src_block_ids] < table.block_size]
@@ -197,16 +196,20 @@ def plan_ordered(table: TokenTable, max_src_blocks: int, pool: BlockPool, num_ds
     return RelocationPlan(table.req_id, "ordered", moves, np.sort(src_block_ids), dst_new_block_ids, table.layout_version)
 
 
+def _slots_of(block_ids: np.ndarray, block_size: int) -> np.ndarray:
+    """Every slot of `block_ids`, block by block, offsets ascending."""
+    return (block_ids[:, None] * block_size + np.arange(block_size)).ravel()
+
+
 def _live_tokens_in(table: TokenTable, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Live tokens of `table` stored in `block_ids`, in logical order, with their slots."""
-    inside = _live_ids_in(table, block_ids)
-    return inside, table.block_ids[inside], table.offsets[inside]
-
-
-def _live_ids_in(table: TokenTable, block_ids: np.ndarray) -> np.ndarray:
-    is_listed = np.zeros(table.pool.num_blocks, dtype=bool)
-    is_listed[block_ids] = True
-    return np.flatnonzero(is_listed[table.block_ids] & table.live)
+    """Live tokens of `table` stored in `block_ids`, in logical order, with their slots:
+    O(blocks x S) through the pool's reverse map."""
+    slots = _slots_of(block_ids, table.block_size)
+    token_ids = table.pool.token_at[slots]
+    inside = token_ids >= 0
+    order = np.argsort(token_ids[inside], kind="stable")
+    token_ids, slots = token_ids[inside][order], slots[inside][order]
+    return token_ids, slots // table.block_size, slots % table.block_size
 
 
 def _holes(table: TokenTable, block_ids: np.ndarray, num_holes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -216,10 +219,6 @@ def _holes(table: TokenTable, block_ids: np.ndarray, num_holes: int) -> tuple[np
     num_free = table.block_size - table.pool.live_counts[block_ids]
     num_leading = int(np.searchsorted(np.cumsum(num_free), num_holes)) + 1
     block_ids = block_ids[:num_leading][num_free[:num_leading] > 0]
-    order = np.argsort(block_ids)
-    token_ids = _live_ids_in(table, block_ids)
-    positions = order[np.searchsorted(block_ids[order], table.block_ids[token_ids])]
-    occupied = np.zeros((block_ids.size, table.block_size), dtype=bool)
-    occupied[positions, table.offsets[token_ids]] = True
-    block_idx, offsets = np.nonzero(~occupied)
-    return block_ids[block_idx[:num_holes]], offsets[:num_holes]
+    slots = _slots_of(block_ids, table.block_size)
+    holes = slots[table.pool.token_at[slots] < 0][:num_holes]
+    return holes // table.block_size, holes % table.block_size

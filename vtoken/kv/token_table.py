@@ -1,9 +1,9 @@
 """The per-request token table: logical token id -> (block_id, offset) and a live bit.
 
 Logical ids are 0..L-1 in arrival order and equal the token's rotary position, which never
-changes. The table owns the mapping; the block pool owns block state, and the table reports
-every live-count change to it (`BlockPool.adjust_live`). Memory is O(L) numpy arrays, grown by
-doubling; there is no Python object per token.
+changes. The table owns the mapping; the block pool owns block state (ref counts, live counts,
+and `token_at`, the reverse map slot -> logical id of the live token stored there). Memory is
+O(L) numpy arrays, grown by doubling; there is no Python object per token.
 
 A request holds an ordered list of blocks; the last one is the *tail*, where new tokens are
 appended at `tail_num_written`. Holes are dead slots anywhere before the cursor:
@@ -14,6 +14,14 @@ appended at `tail_num_written`. Holes are dead slots anywhere before the cursor:
 
 Eviction only clears live bits. Relocation (`apply_moves`) repoints live tokens into other
 slots; the reclaimer decides the moves, the copy engine moves the data first.
+
+Cost model. A decode step appends one token with Python integers and one array store: the
+tail's live count and the reverse map are brought up to date lazily, on the table's next other
+operation or when the pool is read (`BlockPool.live_counts`, `waste_ratio`, ...), so every read
+sees exact numbers. Until the first eviction every token is live, and the slot list (Eq. 2) is
+the per-token slot array itself; after it, a separate slot cache is kept, with one entry removed
+per evicted token (a memmove) and a rebuild only after a batch eviction or a relocation.
+Reclamation reads `token_at`, so planning and applying cost O(blocks touched x S), not O(L).
 """
 
 from __future__ import annotations
@@ -52,41 +60,64 @@ class TokenTable:
         self.req_id = req_id
         self.pool = pool
         self.block_size = pool.block_size
+        self._token_at = pool.token_at  # the pool's reverse map; the same array for the pool's life
         self.num_tokens = 0
-        self.num_live_tokens = 0
+        self._num_dead = 0
         self.num_pinned_tokens = 0  # a shared prefix: never evicted, never relocated
-        self.block_ids_held: list[int] = []
         self.tail_num_written = 0
+        self._tail_slot = 0  # slot of offset 0 of the tail block
         self.layout_version = 0  # bumped by every change a relocation plan could depend on
-        self._block_ids = np.zeros(capacity, dtype=np.int64)
-        self._offsets = np.zeros(capacity, dtype=np.int64)
-        self._live = np.zeros(capacity, dtype=bool)
-        # slots() is _slot_buffer[:_num_slots] while _is_slots_valid, with room to append into.
-        # Once slots() has handed out a view of the buffer, the buffer is copied before any
-        # entry it covers changes (_own_slot_buffer), so that earlier results never change.
-        self._slot_buffer = np.zeros(capacity, dtype=np.int64)
-        self._num_slots = 0
-        self._is_slots_valid = True
-        self._is_slots_read = False
+        capacity = max(capacity, 1)
+        self._slot = np.zeros(capacity, dtype=np.int64)  # block_id * S + offset, stale for dead tokens
+        self._live = np.ones(capacity, dtype=bool)  # True past num_tokens, so appending need not write it
+        self._capacity = capacity
+        self._held = np.zeros(16, dtype=np.int64)
+        self._num_held = 0
+        # tokens appended to the tail whose live count and reverse-map entries are not yet in
+        # the pool: the last _num_pending tokens, at the cursor's last _num_pending offsets
+        self._num_pending = 0
+        self._is_deferred = False  # listed with the pool, which calls flush() before its next read
+        # the slot cache, used once a token is dead: _cache[:_num_cached] while _is_cache_valid
+        self._cache = np.zeros(0, dtype=np.int64)
+        self._num_cached = 0
+        self._is_cache_valid = False
 
     # ---- read-only views ---------------------------------------------------------------------
 
     @property
     def block_ids(self) -> np.ndarray:
-        """Block of each logical token, [num_tokens] (stale for dead tokens)."""
-        return self._block_ids[: self.num_tokens]
+        """Block of each logical token, [num_tokens] (stale for dead tokens). A new array."""
+        return self._slot[: self.num_tokens] // self.block_size
 
     @property
     def offsets(self) -> np.ndarray:
-        return self._offsets[: self.num_tokens]
+        return self._slot[: self.num_tokens] % self.block_size
+
+    @property
+    def token_slots(self) -> np.ndarray:
+        """block_id * S + offset of each logical token, [num_tokens] (stale for dead tokens)."""
+        return self._slot[: self.num_tokens]
 
     @property
     def live(self) -> np.ndarray:
         return self._live[: self.num_tokens]
 
     @property
+    def num_live_tokens(self) -> int:
+        return self.num_tokens - self._num_dead
+
+    @property
+    def block_ids_held(self) -> list[int]:
+        """The blocks this request holds, in order, the tail last (a new list)."""
+        return self._held[: self._num_held].tolist()
+
+    def held_block_ids(self) -> np.ndarray:
+        """`block_ids_held` as an array view: valid until the table next changes."""
+        return self._held[: self._num_held]
+
+    @property
     def num_blocks(self) -> int:
-        return len(self.block_ids_held)
+        return self._num_held
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -98,56 +129,77 @@ class TokenTable:
     def slots(self) -> np.ndarray:
         """Physical slots of the live tokens in logical order (Eq. 2): block_id * S + offset.
 
-        Cached; appended to as the sequence grows, rebuilt only after eviction or relocation.
+        A view that stays valid until the table next changes (copy it to keep it). Appended to
+        as the sequence grows; rebuilt only after a batch eviction or a relocation.
         """
-        if not self._is_slots_valid:
-            live_ids = self.live_token_ids()
-            num_live = live_ids.size
-            self._slot_buffer = np.empty(num_live + num_live // 4 + 64, dtype=np.int64)
-            slots = self._slot_buffer[:num_live]
-            np.take(self._block_ids, live_ids, out=slots)
-            slots *= self.block_size
-            slots += self._offsets[live_ids]
-            self._num_slots = num_live
-            self._is_slots_valid = True
-        self._is_slots_read = True
-        return self._slot_buffer[: self._num_slots]
+        if not self._num_dead:
+            return self._slot[: self.num_tokens]
+        if not self._is_cache_valid:
+            self._rebuild_slot_cache()
+        return self._cache[: self._num_cached]
 
-    def _own_slot_buffer(self) -> np.ndarray:
-        if self._is_slots_read:
-            num_slots = self._num_slots
-            copied = np.empty(num_slots + num_slots // 4 + 64, dtype=np.int64)
-            copied[:num_slots] = self._slot_buffer[:num_slots]
-            self._slot_buffer = copied
-            self._is_slots_read = False
-        return self._slot_buffer
+    def _rebuild_slot_cache(self) -> None:
+        live_slots = self._slot[: self.num_tokens][self._live[: self.num_tokens]]
+        num_live = live_slots.size
+        self._cache = np.empty(num_live + num_live // 4 + 64, dtype=np.int64)
+        self._cache[:num_live] = live_slots
+        self._num_cached = num_live
+        self._is_cache_valid = True
 
-    def _append_slots(self, new_slots: np.ndarray) -> None:
-        if not self._is_slots_valid:
-            return
-        start, end = self._num_slots, self._num_slots + new_slots.size
-        if end > self._slot_buffer.size:
-            grown = np.empty(max(end, 2 * self._slot_buffer.size), dtype=np.int64)
-            grown[:start] = self._slot_buffer[:start]
-            self._slot_buffer = grown
-            self._is_slots_read = False
-        self._slot_buffer[start:end] = new_slots
-        self._num_slots = end
+    def _append_to_cache(self, new_slots: np.ndarray) -> None:
+        start, end = self._num_cached, self._num_cached + new_slots.size
+        if end > self._cache.size:
+            grown = np.empty(max(end, 2 * self._cache.size), dtype=np.int64)
+            grown[:start] = self._cache[:start]
+            self._cache = grown
+        self._cache[start:end] = new_slots
+        self._num_cached = end
+
+    def max_reclaimable_blocks(self) -> int:
+        """An upper bound, in O(1), of the blocks a perfect packing of the relocatable live
+        tokens would give back: the held blocks past the pinned prefix but the open tail, as if
+        none were shared, with at most the cursor's count of live tokens taken out for the
+        tail. A bound, because leaving out a block with at most S live tokens never raises the
+        count, nor does counting fewer live tokens (the reclaimer's cheap pre-filter)."""
+        block_size, num_pinned = self.block_size, self.num_pinned_tokens
+        num_blocks = self._num_held - num_pinned // block_size
+        num_live = self.num_tokens - self._num_dead - num_pinned
+        if num_blocks > 0 and self.tail_num_written < block_size:
+            num_blocks -= 1
+            num_live -= self.tail_num_written
+        return num_blocks - -(-num_live // block_size)
 
     def num_free_tail_slots(self) -> int:
-        return self.block_size - self.tail_num_written if self.block_ids_held else 0
+        return self.block_size - self.tail_num_written if self._num_held else 0
 
     def num_new_blocks_needed(self, num_new_tokens: int) -> int:
-        overflow = num_new_tokens - self.num_free_tail_slots()
-        return max(0, -(-overflow // self.block_size))
+        overflow = num_new_tokens - (self.block_size - self.tail_num_written if self._num_held else 0)
+        return -(-overflow // self.block_size) if overflow > 0 else 0
+
+    # ---- the pool's deferred view of the tail ------------------------------------------------
+
+    def flush(self) -> None:
+        """Hand the tail's pending appends to the pool: live count and reverse-map entries."""
+        num_pending = self._num_pending
+        if not num_pending:
+            return
+        self._num_pending = 0
+        first_token = self.num_tokens - num_pending
+        first_slot = self._tail_slot + self.tail_num_written - num_pending
+        if num_pending == 1:
+            self._token_at[first_slot] = first_token
+        else:
+            self._token_at[first_slot : first_slot + num_pending] = np.arange(first_token, self.num_tokens)
+        self.pool.add_live(first_slot // self.block_size, num_pending)
 
     # ---- the three operations ----------------------------------------------------------------
 
     def attach_shared_prefix(self, block_ids: np.ndarray, num_prefix_tokens: int) -> None:
         """Map the first `num_prefix_tokens` tokens onto full blocks another request filled.
 
-        The blocks' live counts are already in the pool (the owner counted them once); the
-        caller has taken its reference with `BlockPool.share`.
+        The blocks' live counts and reverse-map entries are already in the pool (the owner
+        wrote them once, with the same logical ids); the caller has taken its reference with
+        `BlockPool.share`.
         """
         block_ids = np.asarray(block_ids, dtype=np.int64)
         if self.num_tokens:
@@ -159,9 +211,13 @@ class TokenTable:
             )
         if num_prefix_tokens == 0:
             return
-        self.block_ids_held.extend(block_ids.tolist())
-        self._place(block_ids, 0, num_prefix_tokens)
+        self._push_held(block_ids)
+        self._reserve(num_prefix_tokens)
+        self._slot[:num_prefix_tokens] = (block_ids[:, None] * self.block_size + np.arange(self.block_size)).ravel()
+        self.num_tokens = num_prefix_tokens
+        self.tail_num_written = self.block_size
         self.num_pinned_tokens = num_prefix_tokens
+        self.layout_version += 1
 
     def pin_prefix(self, num_prefix_tokens: int) -> None:
         """Protect the first tokens (whole blocks) that other requests may later share."""
@@ -171,6 +227,7 @@ class TokenTable:
         if not np.all(self._live[:num_prefix_tokens]):
             token_id = int(np.flatnonzero(~self._live[:num_prefix_tokens])[0])
             raise VTokenError(f"request {self.req_id}: cannot pin {num_prefix_tokens} tokens, token {token_id} is evicted")
+        self.flush()  # a sharer reads the prefix's reverse-map entries
         self.num_pinned_tokens = num_prefix_tokens
 
     def sync_new_tokens(self, new_block_ids: np.ndarray, num_tokens: int) -> None:
@@ -179,20 +236,39 @@ class TokenTable:
         `new_block_ids` are freshly allocated blocks for what overflows the tail, exactly
         `num_new_blocks_needed(num_tokens - self.num_tokens)` of them.
         """
-        if num_tokens == self.num_tokens + 1:  # a decode step: scalars only
-            num_free_tail_slots, num_new_block_ids = self.num_free_tail_slots(), len(new_block_ids)
-            if num_free_tail_slots and num_new_block_ids == 0:
-                self._append_one(self.block_ids_held[-1], self.tail_num_written)
-                return
-            if not num_free_tail_slots and num_new_block_ids == 1:
-                block_id = int(new_block_ids[0])
-                self._append_one(block_id, 0)
-                self.block_ids_held.append(block_id)
-                return
+        token_id = self.num_tokens
+        if num_tokens == token_id + 1:  # a decode step: Python integers and one array store
+            cursor = self.tail_num_written
+            if cursor == self.block_size or not self._num_held:  # the tail is full: open a new one
+                if len(new_block_ids) == 1:
+                    self._open_tail(int(new_block_ids[0]))
+                    cursor = 0
+                else:
+                    cursor = -1  # a wrong block count: the general path says so
+            elif len(new_block_ids):
+                cursor = -1
+            if cursor >= 0:
+                if token_id == self._capacity:
+                    self._reserve(token_id + 1)
+                slot = self._tail_slot + cursor
+                self._slot[token_id] = slot
+                if self._num_dead and self._is_cache_valid:
+                    if self._num_cached == self._cache.size:
+                        self._append_to_cache(np.array([slot]))
+                    else:
+                        self._cache[self._num_cached] = slot
+                        self._num_cached += 1
+                if not self._is_deferred:
+                    self._is_deferred = True
+                    self.pool.defer_live(self)
+                self._num_pending += 1
+                self.num_tokens = num_tokens
+                self.tail_num_written = cursor + 1
+                return  # the layout a plan reads (every block but the open tail) did not change
         new_block_ids = np.asarray(new_block_ids, dtype=np.int64)
-        num_new_tokens = num_tokens - self.num_tokens
+        num_new_tokens = num_tokens - token_id
         if num_new_tokens < 0:
-            raise VTokenError(f"request {self.req_id}: length went back from {self.num_tokens} to {num_tokens}")
+            raise VTokenError(f"request {self.req_id}: length went back from {token_id} to {num_tokens}")
         if new_block_ids.size != self.num_new_blocks_needed(num_new_tokens):
             raise VTokenError(
                 f"request {self.req_id}: {num_new_tokens} new tokens need "
@@ -200,67 +276,61 @@ class TokenTable:
             )
         if num_new_tokens == 0:
             return
-        if self.num_free_tail_slots():
-            target_ids = np.concatenate(([self.block_ids_held[-1]], new_block_ids))
-            first_offset = self.tail_num_written
-        else:
-            target_ids, first_offset = new_block_ids, 0
-        self.block_ids_held.extend(new_block_ids.tolist())
-        touched_ids, counts = self._place(target_ids, first_offset, num_new_tokens)
-        self.pool.adjust_live(touched_ids, counts)
+        self.flush()
+        self._reserve(num_tokens)
+        num_in_tail = min(num_new_tokens, self.num_free_tail_slots())
+        # slots: the rest of the tail, then the new blocks from offset 0
+        positions = np.arange(num_new_tokens - num_in_tail)
+        new_slots = new_block_ids[positions // self.block_size] * self.block_size + positions % self.block_size
+        if num_in_tail:
+            tail_first = self._tail_slot + self.tail_num_written
+            new_slots = np.concatenate((np.arange(tail_first, tail_first + num_in_tail), new_slots))
+        self._slot[token_id:num_tokens] = new_slots
+        self._token_at[new_slots] = np.arange(token_id, num_tokens)
+        if self._num_dead and self._is_cache_valid:
+            self._append_to_cache(new_slots)
+        self._push_held(new_block_ids)
+        self.num_tokens = num_tokens
+        last_slot = int(new_slots[-1])
+        self._tail_slot = last_slot - last_slot % self.block_size
+        self.tail_num_written = last_slot % self.block_size + 1
+        self.pool.adjust_live(*_sum_by_block(new_slots // self.block_size, np.ones(new_slots.size, np.int64)))
         self.layout_version += 1
 
-    def _append_one(self, block_id: int, offset: int) -> None:
-        """One token at (block_id, offset), the cursor: the decode step, with scalars only."""
-        token_id = self.num_tokens
-        if token_id == self._live.size:
-            self._reserve(token_id + 1)
-        self.pool.add_live(block_id, 1)
-        self._block_ids[token_id] = block_id
-        self._offsets[token_id] = offset
-        self._live[token_id] = True
-        self.num_tokens += 1
-        self.num_live_tokens += 1
-        self.tail_num_written = offset + 1
-        if self._is_slots_valid:
-            if self._num_slots == self._slot_buffer.size:
-                self._append_slots(np.array([block_id * self.block_size + offset]))
-            else:
-                self._slot_buffer[self._num_slots] = block_id * self.block_size + offset
-                self._num_slots += 1
-        self.layout_version += 1
+    def _open_tail(self, block_id: int) -> None:
+        """A fresh block becomes the tail (the decode step's case of `_push_held`)."""
+        if self._num_pending:
+            self.flush()
+        if self._num_held == self._held.size:
+            self._held = np.concatenate((self._held, np.zeros_like(self._held)))
+        self._held[self._num_held] = block_id
+        self._num_held += 1
+        self._tail_slot = block_id * self.block_size
+        self.tail_num_written = 0
 
-    def _place(self, target_ids: np.ndarray, first_offset: int, num_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Write `num_new_tokens` live tokens into `target_ids` from `first_offset` on.
-
-        Returns the touched blocks and the number of tokens each received.
-        """
-        start = self.num_tokens
-        self._reserve(start + num_new_tokens)
-        positions = first_offset + np.arange(num_new_tokens)
-        block_idx = positions // self.block_size
-        block_ids = target_ids[block_idx]
-        offsets = positions % self.block_size
-        self._block_ids[start : start + num_new_tokens] = block_ids
-        self._offsets[start : start + num_new_tokens] = offsets
-        self._live[start : start + num_new_tokens] = True
-        self.num_tokens += num_new_tokens
-        self.num_live_tokens += num_new_tokens
-        self.tail_num_written = int(offsets[-1]) + 1
-        self._append_slots(block_ids * self.block_size + offsets)
-        counts = np.bincount(block_idx)
-        touched = np.flatnonzero(counts)
-        return target_ids[touched], counts[touched]
+    def _push_held(self, block_ids: np.ndarray) -> None:
+        """Append blocks to the held list; the last one becomes the tail."""
+        if block_ids.size == 0:
+            return
+        end = self._num_held + block_ids.size
+        if end > self._held.size:
+            grown = np.zeros(max(end, 2 * self._held.size), dtype=np.int64)
+            grown[: self._num_held] = self._held[: self._num_held]
+            self._held = grown
+        self._held[self._num_held : end] = block_ids
+        self._num_held = end
+        self._tail_slot = int(block_ids[-1]) * self.block_size
+        self.tail_num_written = 0
 
     def _reserve(self, capacity: int) -> None:
-        if capacity <= self._live.size:
+        if capacity <= self._slot.size:
             return
-        new_capacity = max(capacity, 2 * self._live.size)
-        for name in ("_block_ids", "_offsets", "_live"):
-            old = getattr(self, name)
-            grown = np.zeros(new_capacity, dtype=old.dtype)
-            grown[: old.size] = old
-            setattr(self, name, grown)
+        new_capacity = max(capacity, 2 * self._slot.size)
+        grown_slot = np.zeros(new_capacity, dtype=np.int64)
+        grown_slot[: self._slot.size] = self._slot
+        grown_live = np.ones(new_capacity, dtype=bool)
+        grown_live[: self._live.size] = self._live
+        self._slot, self._live, self._capacity = grown_slot, grown_live, new_capacity
 
     def evict_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         """Mark tokens dead (metadata only: no KV moves). Returns blocks of this request that
@@ -274,11 +344,14 @@ class TokenTable:
         if token_ids.size == 1:
             return self._evict_one(int(token_ids.flat[0]))
         self._check_evictable(token_ids)
+        self.flush()
+        slots = self._slot[token_ids]
+        self._token_at[slots] = -1
         self._live[token_ids] = False
-        self.num_live_tokens -= token_ids.size
-        blocks, counts = np.unique(self._block_ids[token_ids], return_counts=True)
-        self.pool.adjust_live(blocks, -counts)
-        self._is_slots_valid = False
+        self._num_dead += token_ids.size
+        self._is_cache_valid = False
+        blocks, deltas = _sum_by_block(slots // self.block_size, np.full(slots.size, -1, np.int64))
+        self.pool.adjust_live(blocks, deltas)
         self.layout_version += 1
         return blocks[self.pool.live_counts[blocks] == 0]
 
@@ -290,14 +363,26 @@ class TokenTable:
             raise VTokenError(f"request {self.req_id}: token {token_id} is already evicted")
         if token_id < self.num_pinned_tokens:
             raise VTokenError(f"request {self.req_id}: token {token_id} is in the shared prefix and cannot be evicted")
-        block_id = int(self._block_ids[token_id])
-        self.pool.add_live(block_id, -1)
-        if self._is_slots_valid:
-            self._remove_slot(int(np.count_nonzero(self._live[:token_id])))
+        slot = self._slot.item(token_id)
+        if self._num_pending and 0 <= slot - self._tail_slot < self.block_size:
+            self.flush()  # the tail's count must be whole before it can tell whether the block emptied
+        block_id = slot // self.block_size
+        self._token_at[slot] = -1
+        if not self._num_dead:  # the first dead token: the cache starts as every slot but this one
+            num_tokens = self.num_tokens
+            self._cache = np.empty(num_tokens + num_tokens // 4 + 64, dtype=np.int64)
+            self._cache[:token_id] = self._slot[:token_id]
+            self._cache[token_id : num_tokens - 1] = self._slot[token_id + 1 : num_tokens]
+            self._num_cached = num_tokens - 1
+            self._is_cache_valid = True
+        elif self._is_cache_valid:  # drop its entry: a memmove of what follows it
+            idx, num_cached = int(np.count_nonzero(self._live[:token_id])), self._num_cached
+            self._cache[idx : num_cached - 1] = self._cache[idx + 1 : num_cached]
+            self._num_cached = num_cached - 1
         self._live[token_id] = False
-        self.num_live_tokens -= 1
+        self._num_dead += 1
         self.layout_version += 1
-        if self.pool.live_counts[block_id] == 0:
+        if self.pool.add_live(block_id, -1) == 0:
             return np.array([block_id], dtype=np.int64)
         return np.zeros(0, dtype=np.int64)
 
@@ -315,17 +400,19 @@ class TokenTable:
         if np.unique(token_ids).size != token_ids.size:
             raise VTokenError(f"request {self.req_id}: evict_tokens got repeated ids")
 
-    def _remove_slot(self, idx: int) -> None:
-        """Drop entry `idx` of the slot cache: a memmove of what follows it."""
-        buffer, num_slots = self._own_slot_buffer(), self._num_slots
-        buffer[idx : num_slots - 1] = buffer[idx + 1 : num_slots]
-        self._num_slots = num_slots - 1
-
     def adopt_blocks(self, block_ids: np.ndarray) -> None:
         """Take freshly allocated relocation destinations; they sit before the tail."""
-        block_ids = [int(b) for b in block_ids]
-        tail = self.block_ids_held[-1:]
-        self.block_ids_held[-1:] = block_ids + tail
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        if block_ids.size == 0:
+            return
+        self.flush()
+        held = self.held_block_ids()
+        tail = held[-1:].copy()
+        tail_slot, cursor = self._tail_slot, self.tail_num_written
+        self._num_held -= tail.size
+        self._push_held(np.concatenate((block_ids, tail)))
+        if tail.size:
+            self._tail_slot, self.tail_num_written = tail_slot, cursor
         self.layout_version += 1
 
     def apply_moves(self, moves: Moves) -> None:
@@ -337,44 +424,45 @@ class TokenTable:
         """
         if moves.num_moves == 0:
             return
+        self.flush()
         self._check_moves(moves)
         ids = moves.token_ids
-        self._block_ids[ids] = moves.dst_block_ids
-        self._offsets[ids] = moves.dst_offsets
+        src_slots, dst_slots = moves.src_slots(self.block_size), moves.dst_slots(self.block_size)
+        self._slot[ids] = dst_slots
         live = self._live[ids]
         if np.any(live):
-            delta_blocks = np.concatenate((moves.src_block_ids[live], moves.dst_block_ids[live]))
-            deltas = np.concatenate((-np.ones(int(live.sum()), np.int64), np.ones(int(live.sum()), np.int64)))
-            blocks, inverse = np.unique(delta_blocks, return_inverse=True)
-            self.pool.adjust_live(blocks, np.bincount(inverse, weights=deltas).astype(np.int64))
-            if self._is_slots_valid:  # the moved live tokens keep their place in logical order
-                slot_idx = np.searchsorted(self.live_token_ids(), ids[live])
-                self._own_slot_buffer()[slot_idx] = moves.dst_slots(self.block_size)[live]
+            self._token_at[src_slots[live]] = -1  # every source first: a destination may be another's source
+            self._token_at[dst_slots[live]] = ids[live]
+            num_live = int(np.count_nonzero(live))
+            blocks, deltas = _sum_by_block(np.concatenate((moves.src_block_ids[live], moves.dst_block_ids[live])),
+                                           np.concatenate((np.full(num_live, -1, np.int64), np.ones(num_live, np.int64))))
+            self.pool.adjust_live(blocks, deltas)
+            self._is_cache_valid = False
         self.layout_version += 1
 
     def _check_moves(self, moves: Moves) -> None:
         ids = moves.token_ids
-        if np.any((ids < 0) | (ids >= self.num_tokens)) or np.unique(ids).size != ids.size:
+        if not ids.size:
+            return
+        if ids.min() < 0 or ids.max() >= self.num_tokens or not _is_distinct(ids):
             raise VTokenError(f"request {self.req_id}: moves name unknown or repeated tokens")
-        stale = (self._block_ids[ids] != moves.src_block_ids) | (self._offsets[ids] != moves.src_offsets)
-        if np.any(stale):
+        stale = self._slot[ids] != moves.src_slots(self.block_size)
+        if stale.any():
             token_id = int(ids[stale][0])
             raise VTokenError(f"request {self.req_id}: move of token {token_id} names a source it does not occupy")
-        held_block_ids = set(self.block_ids_held)
-        held = np.array([b in held_block_ids for b in moves.dst_block_ids.tolist()], dtype=bool)
-        if not np.all(held):
-            raise VTokenError(f"request {self.req_id}: move into block {int(moves.dst_block_ids[~held][0])} it does not hold")
-        # only live tokens already in a destination block can stand in a move's way
-        in_dst_blocks = self._live_ids_in(moves.dst_block_ids)
-        is_moved = np.zeros(self.num_tokens, dtype=bool)
-        is_moved[ids] = True
-        staying = in_dst_blocks[~is_moved[in_dst_blocks]]
-        staying_slots = np.sort(self._block_ids[staying] * self.block_size + self._offsets[staying])
+        dst_block_ids = moves.dst_block_ids
+        held = _positions_in(self.held_block_ids(), dst_block_ids) >= 0
+        if not held.all():
+            raise VTokenError(f"request {self.req_id}: move into block {int(dst_block_ids[~held][0])} it does not hold")
+        # a destination is taken when a live token that does not move away sits there
         dst_slots = moves.dst_slots(self.block_size)
-        idx = np.minimum(np.searchsorted(staying_slots, dst_slots), max(staying_slots.size - 1, 0))
-        occupied = staying_slots[idx] == dst_slots if staying_slots.size else np.zeros(dst_slots.size, dtype=bool)
-        if np.any(occupied) or np.unique(dst_slots).size != dst_slots.size:
-            slot = int(dst_slots[occupied][0]) if np.any(occupied) else int(dst_slots[0])
+        occupant = self._token_at[dst_slots]
+        occupied = occupant >= 0
+        if occupied.any():
+            moving = set(ids[self._live[ids]].tolist())
+            occupied[occupied] = [token_id not in moving for token_id in occupant[occupied].tolist()]
+        if occupied.any() or not _is_distinct(dst_slots):
+            slot = int(dst_slots[occupied][0]) if occupied.any() else int(dst_slots[0])
             raise VTokenError(f"request {self.req_id}: move onto occupied slot {slot} (block {slot // self.block_size}, offset {slot % self.block_size})")
 
     def release_blocks(self, block_ids: np.ndarray) -> None:
@@ -382,44 +470,79 @@ class TokenTable:
 
         When the tail goes, the cursor moves to the end of the last live token of the new tail.
         """
-        released = {int(b) for b in block_ids}
-        if not released:
+        released = np.asarray(block_ids, dtype=np.int64).ravel()
+        if released.size == 0:
             return
-        held_block_ids = set(self.block_ids_held)
-        if not released.issubset(held_block_ids):
-            raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released - held_block_ids)}")
-        if self._live_ids_in(np.fromiter(released, np.int64)).size:
+        if not _is_distinct(released):
+            released = np.unique(released)
+        self.flush()
+        held = self.held_block_ids()
+        positions = _positions_in(held, released)
+        if np.any(positions < 0):
+            raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released[positions < 0].tolist())}")
+        if self._live_ids_in(released).size:
             raise VTokenError(f"request {self.req_id}: releasing blocks that still hold live tokens")
-        tail_released = self.block_ids_held[-1] in released
-        if len(released) <= 8:  # the usual case: list.remove beats rebuilding the list
-            for block_id in released:
-                self.block_ids_held.remove(block_id)
-        else:
-            self.block_ids_held = [b for b in self.block_ids_held if b not in released]
+        tail_released = bool(np.any(positions == self._num_held - 1))
+        kept = np.delete(held, positions)
+        self._num_held = kept.size
+        self._held[: kept.size] = kept
         if tail_released:
+            self._tail_slot = int(kept[-1]) * self.block_size if kept.size else 0
             self.tail_num_written = self._cursor_after_last_live()
         self.layout_version += 1
 
     def _live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
-        """Live tokens stored in `block_ids`, in logical order: one pass over the table."""
-        is_listed = np.zeros(self.pool.num_blocks, dtype=bool)
-        is_listed[block_ids] = True
-        return np.flatnonzero(is_listed[self.block_ids] & self.live)
+        """Live tokens stored in `block_ids`, in logical order, from the pool's reverse map."""
+        self.flush()
+        slots = (np.asarray(block_ids, dtype=np.int64)[:, None] * self.block_size + np.arange(self.block_size)).ravel()
+        token_ids = self._token_at[slots]
+        return np.sort(token_ids[token_ids >= 0])
 
     def _cursor_after_last_live(self) -> int:
-        if not self.block_ids_held:
+        if not self._num_held:
             return 0
-        in_tail = np.flatnonzero((self.block_ids == self.block_ids_held[-1]) & self.live)
-        return int(self._offsets[in_tail].max()) + 1 if in_tail.size else 0
+        in_tail = np.flatnonzero(self._token_at[self._tail_slot : self._tail_slot + self.block_size] >= 0)
+        return int(in_tail[-1]) + 1 if in_tail.size else 0
 
     def release_all(self) -> list[int]:
         """Drop every block (request finished or preempted); returns them for the caller to free."""
+        self.flush()
         block_ids = self.block_ids_held
-        self.block_ids_held = []
+        self._num_held = 0
         self._live[: self.num_tokens] = False
-        self.num_live_tokens = 0
+        self._num_dead = self.num_tokens
+        self._is_cache_valid = False
         self.num_pinned_tokens = 0  # nothing held, nothing pinned
         self.tail_num_written = 0
-        self._is_slots_valid = False
+        self._tail_slot = 0
         self.layout_version += 1
         return block_ids
+
+
+def _is_distinct(values: np.ndarray) -> bool:
+    """No value repeats (cheap when `values` ascends, as the planners' arrays do)."""
+    if values.size < 2 or (values[1:] > values[:-1]).all():
+        return True
+    return len(set(values.tolist())) == values.size
+
+
+def _sum_by_block(block_ids: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct blocks and the sum of their deltas (a dict for the usual few dozen entries)."""
+    if block_ids.size <= 64:
+        sums: dict[int, int] = {}
+        for block_id, delta in zip(block_ids.tolist(), deltas.tolist()):
+            sums[block_id] = sums.get(block_id, 0) + delta
+        block_ids_out = sorted(sums)
+        return np.array(block_ids_out, dtype=np.int64), np.array([sums[b] for b in block_ids_out], dtype=np.int64)
+    order = np.argsort(block_ids, kind="stable")
+    block_ids, deltas = block_ids[order], deltas[order]
+    starts = np.flatnonzero(np.concatenate(([True], block_ids[1:] != block_ids[:-1])))
+    return block_ids[starts], np.add.reduceat(deltas, starts)
+
+
+def _positions_in(held: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
+    """Index in `held` of each of `block_ids`, -1 where absent."""
+    order = np.argsort(held, kind="stable")
+    idx = np.minimum(np.searchsorted(held[order], block_ids), max(held.size - 1, 0))
+    found = held[order][idx] == block_ids if held.size else np.zeros(block_ids.size, dtype=bool)
+    return np.where(found, order[idx], -1)
