@@ -71,6 +71,7 @@ class EvictRow:
     num_requests: int
     context_tokens: int
     cadence: str
+    num_steps: int  # measured steps (default cadence: one reclamation cycle)
     growth_us: float  # per step, all requests; the four parts add up to the step
     evict_us: float
     reclaim_us: float
@@ -212,6 +213,7 @@ class EvictingRun:
         self.num_blocks_freed_by_eviction = 0
         self.num_blocks_freed_by_plans = 0
         self.num_plans = 0
+        self.num_rounds = 0  # steps whose reclamation launched plans
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -232,7 +234,9 @@ class EvictingRun:
 
     def reclaim(self) -> None:
         pool = self.pool
-        for plan in self.reclaimer.plan(self.tables):
+        plans = self.reclaimer.plan(self.tables)
+        self.num_rounds += bool(plans)
+        for plan in plans:
             table = self.by_id[plan.req_id]
             table.adopt_blocks(pool.allocate(plan.dst_new_block_ids.size))
             self.engine.launch(plan)
@@ -278,31 +282,45 @@ def time_check_plan_us(run: EvictingRun, num_plans: int = 20) -> float:
     return 1e6 * statistics.fmean(timings) if timings else 0.0
 
 
+MAX_CYCLE_STEPS = 4000  # a lazy reclamation cycle takes about B * S = 1024 steps at one eviction per request
+
+
 def evicting_run(num_requests: int, context_tokens: int, num_steps: int, cadence: str, seed: int) -> EvictingRun:
     """A run warmed up into its steady state. The default cadence starts with the pool's waste
-    just under theta_F (random dead tokens in every request), so that the gate opens during the
-    measured steps."""
-    run = EvictingRun(num_requests, context_tokens, 4 * num_steps, "hole-fill", "random", cadence, seed)
+    just under theta_F (random dead tokens in every request), so that the gate opens soon."""
+    run = EvictingRun(num_requests, context_tokens, 2 * MAX_CYCLE_STEPS if cadence == "default" else 4 * num_steps,
+                      "hole-fill", "random", cadence, seed)
     if cadence == "every-step":
         run.prefragment()
         run.run(max(num_steps, 2 * BLOCK_SIZE))
     else:
-        theta_f = run.reclaimer.config.theta_f
-        # each step adds R dead tokens and R live ones; the gate should open about a third in
-        num_dead = int((theta_f * (context_tokens + num_steps)) - num_steps // 3)
-        run.prefragment(max(num_dead, 0))
+        run.prefragment(int(run.reclaimer.config.theta_f * context_tokens) - 2 * BLOCK_SIZE)
+        run_until_a_round(run)
     return run
 
 
+def run_until_a_round(run: EvictingRun) -> np.ndarray:
+    """Steps until, and including, the next step whose reclamation launched plans."""
+    num_rounds, parts = run.num_rounds, []
+    while run.num_rounds == num_rounds:
+        if len(parts) == MAX_CYCLE_STEPS:
+            raise RuntimeError(f"no reclamation round in {MAX_CYCLE_STEPS} steps (F = {run.pool.waste_ratio():.3f})")
+        parts.append(run.step(choose_victims(run.tables, run.rng, run.pattern)))
+    return np.array(parts)
+
+
 def time_evict(num_requests: int, context_tokens: int, num_steps: int, num_repeats: int, cadence: str) -> EvictRow:
-    means, max_reclaim, plans_per_step, check_us = [], [], [], 0.0
+    """every-step: `num_steps` steps. default: one whole cycle of the lazy reclaimer, from just
+    after a reclamation round to the end of the next, so that the mean amortizes the round."""
+    means, max_reclaim, plans_per_step, num_cycle_steps, check_us = [], [], [], [], 0.0
     for repeat_idx in range(num_repeats):
         run = evicting_run(num_requests, context_tokens, num_steps, cadence, seed=repeat_idx)
         num_plans_before = run.num_plans
-        parts = run.run(num_steps)
+        parts = run.run(num_steps) if cadence == "every-step" else run_until_a_round(run)
         means.append(1e6 * parts.mean(axis=0))
         max_reclaim.append(1e6 * parts[:, 2].max())
-        plans_per_step.append((run.num_plans - num_plans_before) / num_steps)
+        plans_per_step.append((run.num_plans - num_plans_before) / len(parts))
+        num_cycle_steps.append(len(parts))
         if repeat_idx == 0:
             for table in run.tables[: num_requests // 2]:  # some holes, so that check_plan has plans
                 for _ in range(BLOCK_SIZE):
@@ -311,7 +329,7 @@ def time_evict(num_requests: int, context_tokens: int, num_steps: int, num_repea
     totals = [m.sum() for m in means]
     median = int(np.argsort(totals)[len(totals) // 2])
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
-    return EvictRow(num_requests, context_tokens, cadence, growth_us, evict_us, reclaim_us, slots_us,
+    return EvictRow(num_requests, context_tokens, cadence, num_cycle_steps[median], growth_us, evict_us, reclaim_us, slots_us,
                     float(max_reclaim[median]), plans_per_step[median], check_us)
 
 
@@ -352,10 +370,10 @@ def format_growth(rows: list[GrowthRow]) -> str:
 
 
 def format_evict(rows: list[EvictRow]) -> str:
-    header = (f"{'requests':>8} {'context':>7} {'cadence':<10} {'growth':>7} {'evict':>7} {'reclaim':>8} {'slots':>7} "
+    header = (f"{'requests':>8} {'context':>7} {'cadence':<10} {'steps':>5} {'growth':>7} {'evict':>7} {'reclaim':>8} {'slots':>7} "
               f"{'total':>7} {'evict+reclaim':>13} {'worst reclaim':>13} {'plans/step':>10} {'check_plan us':>13}")
     lines = [header, "-" * len(header)]
-    lines += [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.cadence:<10} {r.growth_us:>7.1f} {r.evict_us:>7.1f} "
+    lines += [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.cadence:<10} {r.num_steps:>5} {r.growth_us:>7.1f} {r.evict_us:>7.1f} "
               f"{r.reclaim_us:>8.1f} {r.slots_us:>7.1f} {r.total_us:>7.1f} {r.bookkeeping_us:>13.1f} {r.max_reclaim_us:>13.1f} "
               f"{r.plans_per_step:>10.2f} {r.check_plan_us_per_plan:>13.1f}" for r in rows]
     return "\n".join(lines)

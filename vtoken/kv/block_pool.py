@@ -6,9 +6,10 @@ reverse map the reclaimer plans from); the runtime allocates and frees through i
 ratio F (DESIGN.md Eq. 1) and the 10-bin utilization histogram are kept incrementally: every
 operation updates only the blocks it touches, so reading them is O(1).
 
-A decode step's append reaches the pool lazily: the table registers itself once with
-`defer_live` and its pending tokens are counted (`TokenTable.flush`) before any read of live
-counts, F, the histogram or `token_at` through the pool, so that every read is exact.
+A decode step's append reaches the pool lazily: it adds to `num_live_tokens` at once (so F is
+always exact), and the table registers itself once with `defer_live`; its pending tokens join
+the per-block counts (`TokenTable.flush`) before any read of live counts, the histogram or
+`token_at` through the pool, so that every read is exact.
 
     F = 1 - sum(n_i) / (N * S)   over the N allocated blocks, n_i live tokens in block i
 """
@@ -45,7 +46,7 @@ class BlockPool:
         # the same two tables as lists, for the scalar path (`add_live`)
         self._bin_list: list[int] = self._bin_of_count.tolist()
         self._is_le_half_list: list[int] = self._is_le_half.tolist()
-        self._num_live_tokens = 0
+        self.num_live_tokens = 0  # exact at all times: appends count here at once
         self._num_blocks_le_half = 0
 
     @staticmethod
@@ -119,15 +120,17 @@ class BlockPool:
             self._free_one(int(block_ids.flat[0]))
             return
         block_ids = self._checked_ids(block_ids, "free")
-        if np.any(self.ref_counts[block_ids] <= 0):
+        if (self.ref_counts[block_ids] <= 0).any():
             raise VTokenError(f"double free of blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
-        if np.unique(block_ids).size != block_ids.size:
+        if not (block_ids[1:] > block_ids[:-1]).all() and np.unique(block_ids).size != block_ids.size:
             raise VTokenError(f"free() got repeated block ids {block_ids.tolist()}")
         self.ref_counts[block_ids] -= 1
         released = block_ids[self.ref_counts[block_ids] == 0]
         if released.size == 0:
             return
-        self._set_live(released, np.zeros(released.size, dtype=np.int32))
+        with_live = released[self._live_counts[released] > 0]  # usually none: the owner emptied them
+        if with_live.size:
+            self._set_live(with_live, np.zeros(with_live.size, dtype=np.int32))
         self._token_at[(released[:, None] * self.block_size + np.arange(self.block_size)).ravel()] = -1
         self._histogram[0] -= released.size
         self._histogram[NUM_HISTOGRAM_BINS] += released.size
@@ -147,7 +150,7 @@ class BlockPool:
         num_live = int(self._live_counts[block_id])
         self._live_counts[block_id] = 0
         self._token_at[block_id * self.block_size : (block_id + 1) * self.block_size] = -1
-        self._num_live_tokens -= num_live
+        self.num_live_tokens -= num_live
         self._num_blocks_le_half -= self._is_le_half_list[num_live]
         self._histogram[self._bin_list[num_live]] -= 1
         self._histogram[NUM_HISTOGRAM_BINS] += 1
@@ -195,7 +198,7 @@ class BlockPool:
             histogram[bin_of[old_count]] -= 1
             histogram[bin_of[new_count]] += 1
             self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
-            self._num_live_tokens += delta
+            self.num_live_tokens += delta
 
     def _adjust_live_array(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
         block_ids = self._checked_ids(block_ids, "adjust_live")
@@ -224,8 +227,36 @@ class BlockPool:
         histogram[bin_of[new_count]] += 1
         is_le_half = self._is_le_half_list
         self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
-        self._num_live_tokens += delta
+        self.num_live_tokens += delta
         return new_count
+
+    def count_deferred_appends(self, block_id: int, num_tokens: int) -> None:
+        """`num_tokens` appended to the tail `block_id` join its live count (`TokenTable.flush`);
+        `num_live_tokens` counted them when they were appended."""
+        old_count = self._live_counts.item(block_id)
+        new_count = old_count + num_tokens
+        if not 0 <= new_count <= self.block_size or self.ref_counts.item(block_id) <= 0:
+            raise VTokenError(f"{num_tokens} appended tokens do not fit block {block_id} ({old_count} live)")
+        self._live_counts[block_id] = new_count
+        histogram, bin_of = self._histogram, self._bin_list
+        histogram[bin_of[old_count]] -= 1
+        histogram[bin_of[new_count]] += 1
+        is_le_half = self._is_le_half_list
+        self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
+
+    def remove_live_token(self, block_id: int) -> int:
+        """One live token of an allocated block died: `add_live(block_id, -1)` for a caller
+        that holds the block and knew the token live (a token table), so nothing to check.
+        Returns the block's new live count."""
+        old_count = self._live_counts.item(block_id)
+        self._live_counts[block_id] = old_count - 1
+        histogram, bin_of = self._histogram, self._bin_list
+        histogram[bin_of[old_count]] -= 1
+        histogram[bin_of[old_count - 1]] += 1
+        is_le_half = self._is_le_half_list
+        self._num_blocks_le_half += is_le_half[old_count - 1] - is_le_half[old_count]
+        self.num_live_tokens -= 1
+        return old_count - 1
 
     def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> None:
         old_counts = self._live_counts[block_ids]
@@ -234,7 +265,7 @@ class BlockPool:
         for bin_idx in np.flatnonzero(bin_changes).tolist():
             self._histogram[bin_idx] += int(bin_changes[bin_idx])
         self._num_blocks_le_half += int(self._is_le_half[new_counts].sum() - self._is_le_half[old_counts].sum())
-        self._num_live_tokens += int(new_counts.sum() - old_counts.sum())
+        self.num_live_tokens += int(new_counts.sum() - old_counts.sum())
         self._live_counts[block_ids] = new_counts
 
     # ---- reads (exact: deferred appends are counted first) -----------------------------------
@@ -264,12 +295,6 @@ class BlockPool:
         return self._token_at
 
     @property
-    def num_live_tokens(self) -> int:
-        if self._deferred:
-            self.flush_deferred()
-        return self._num_live_tokens
-
-    @property
     def num_blocks_le_half(self) -> int:
         if self._deferred:
             self.flush_deferred()
@@ -279,12 +304,10 @@ class BlockPool:
 
     def waste_ratio(self) -> float:
         """F (Eq. 1) over the allocated blocks; 0.0 for an empty pool."""
-        if self._deferred:
-            self.flush_deferred()
         num_allocated = self.num_allocated_blocks
         if num_allocated == 0:
             return 0.0
-        return 1.0 - self._num_live_tokens / (num_allocated * self.block_size)
+        return 1.0 - self.num_live_tokens / (num_allocated * self.block_size)
 
     def utilization_histogram(self) -> np.ndarray:
         """Allocated blocks per bin of u = live / S: [0, .1), [.1, .2), ..., [.9, 1.0]."""

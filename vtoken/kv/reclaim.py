@@ -161,16 +161,18 @@ def movable_block_ids(table: TokenTable) -> np.ndarray:
 def plan_hole_fill(table: TokenTable, max_src_blocks: int, movable: _Movable | None = None) -> RelocationPlan | None:
     movable = movable or _Movable.of(table)
     block_ids, live_counts = movable.block_ids, movable.live_counts
-    # Take sources from the end while their live tokens still fit in the earlier blocks' holes.
-    num_src, num_src_live = 0, 0
+    # Take sources from the end while their live tokens still fit in the earlier blocks' holes:
+    # the last k blocks go if the live tokens of the last 1, 2, ..., k all fit before them.
+    max_src = min(max_src_blocks, block_ids.size - 1)
+    if max_src <= 0:
+        return None
     num_holes_before = np.cumsum(table.block_size - live_counts)  # holes in block_ids[:i+1]
-    while num_src < min(max_src_blocks, block_ids.size - 1):
-        next_live = num_src_live + int(live_counts[-1 - num_src])
-        if next_live > num_holes_before[block_ids.size - 2 - num_src]:
-            break
-        num_src, num_src_live = num_src + 1, next_live
+    src_live = np.cumsum(live_counts[::-1][:max_src])  # live tokens in the last 1, 2, ... blocks
+    fits = src_live <= num_holes_before[block_ids.size - 2 :: -1][:max_src]
+    num_src = max_src if fits.all() else int(fits.argmin())
     if num_src == 0:
         return None
+    num_src_live = int(src_live[num_src - 1])
     src_block_ids, kept_block_ids = block_ids[block_ids.size - num_src :], block_ids[: block_ids.size - num_src]
     token_ids, block_of_token, offset_of_token = _live_tokens_in(table, src_block_ids)
     dst_blocks, dst_offsets = _holes(table, kept_block_ids, num_src_live)

@@ -34,6 +34,10 @@ from vtoken.errors import VTokenError
 from vtoken.kv.block_pool import BlockPool
 
 
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
+_NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
+
+
 @dataclass(frozen=True)
 class Moves:
     """Token relocations of one request, one entry per moved token (int64 arrays, same length)."""
@@ -190,7 +194,7 @@ class TokenTable:
             self._token_at[first_slot] = first_token
         else:
             self._token_at[first_slot : first_slot + num_pending] = np.arange(first_token, self.num_tokens)
-        self.pool.add_live(first_slot // self.block_size, num_pending)
+        self.pool.count_deferred_appends(first_slot // self.block_size, num_pending)
 
     # ---- the three operations ----------------------------------------------------------------
 
@@ -258,9 +262,11 @@ class TokenTable:
                     else:
                         self._cache[self._num_cached] = slot
                         self._num_cached += 1
+                pool = self.pool
+                pool.num_live_tokens += 1
                 if not self._is_deferred:
                     self._is_deferred = True
-                    self.pool.defer_live(self)
+                    pool.defer_live(self)
                 self._num_pending += 1
                 self.num_tokens = num_tokens
                 self.tail_num_written = cursor + 1
@@ -338,9 +344,11 @@ class TokenTable:
 
         Raises (changing nothing) for an unknown, dead, pinned or repeated id.
         """
+        if type(token_ids) is np.ndarray and token_ids.size == 1 and token_ids.dtype.kind in "iu":  # the per-step case
+            return self._evict_one(token_ids.item())
         token_ids = np.asarray(token_ids, dtype=np.int64)
         if token_ids.size == 0:
-            return np.zeros(0, dtype=np.int64)
+            return _NO_BLOCKS
         if token_ids.size == 1:
             return self._evict_one(int(token_ids.flat[0]))
         self._check_evictable(token_ids)
@@ -357,16 +365,16 @@ class TokenTable:
 
     def _evict_one(self, token_id: int) -> np.ndarray:
         """`evict_tokens` of a single id, with scalars only (same checks, same result)."""
+        live = self._live
         if not 0 <= token_id < self.num_tokens:
             raise VTokenError(f"request {self.req_id}: cannot evict unknown token {token_id} (length {self.num_tokens})")
-        if not self._live[token_id]:
+        if not live.item(token_id):
             raise VTokenError(f"request {self.req_id}: token {token_id} is already evicted")
         if token_id < self.num_pinned_tokens:
             raise VTokenError(f"request {self.req_id}: token {token_id} is in the shared prefix and cannot be evicted")
         slot = self._slot.item(token_id)
         if self._num_pending and 0 <= slot - self._tail_slot < self.block_size:
             self.flush()  # the tail's count must be whole before it can tell whether the block emptied
-        block_id = slot // self.block_size
         self._token_at[slot] = -1
         if not self._num_dead:  # the first dead token: the cache starts as every slot but this one
             num_tokens = self.num_tokens
@@ -376,15 +384,20 @@ class TokenTable:
             self._num_cached = num_tokens - 1
             self._is_cache_valid = True
         elif self._is_cache_valid:  # drop its entry: a memmove of what follows it
-            idx, num_cached = int(np.count_nonzero(self._live[:token_id])), self._num_cached
-            self._cache[idx : num_cached - 1] = self._cache[idx + 1 : num_cached]
+            num_tokens, num_cached, cache = self.num_tokens, self._num_cached, self._cache
+            if 2 * token_id < num_tokens:  # its index: live tokens before it, counted from the nearer end
+                idx = np.count_nonzero(live[:token_id])
+            else:
+                idx = num_cached - 1 - np.count_nonzero(live[token_id + 1 : num_tokens])
+            cache[idx : num_cached - 1] = cache[idx + 1 : num_cached]
             self._num_cached = num_cached - 1
-        self._live[token_id] = False
+        live[token_id] = False
         self._num_dead += 1
         self.layout_version += 1
-        if self.pool.add_live(block_id, -1) == 0:
-            return np.array([block_id], dtype=np.int64)
-        return np.zeros(0, dtype=np.int64)
+        block_id = slot // self.block_size
+        if self.pool.remove_live_token(block_id):
+            return _NO_BLOCKS
+        return np.array([block_id], dtype=np.int64)
 
     def _check_evictable(self, token_ids: np.ndarray) -> None:
         out_of_range = (token_ids < 0) | (token_ids >= self.num_tokens)
