@@ -1,8 +1,10 @@
 """`vtoken check-invariants [TRACE]`: relocations on materialized KV, I1-I4 checked on every event.
 
 The command parses flags into a `RunConfig` and `CheckOptions` (with `--executor hf`, loads the
-model), calls `vtoken.checker.check_invariants` and renders the report. Exit code 0 when every
-invariant held, 1 on any violation, 2 on bad input.
+model), calls `vtoken.checker.check_invariants` and renders the report. `--executor vllm` calls
+`vtoken.engine.vllm.run.check_invariants_on_vllm` instead: one engine, the checks (and an
+injected fault) inside it. Exit code 0 when every invariant held, 1 on any violation, 2 on bad
+input.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from rich.text import Text
 
 from vtoken.checker import (
     CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, INVARIANT_NAMES, INVARIANTS, PRESSURE,
-    CheckOptions, CheckReport, Tally, TraceLimits, bundled_sample_traces, check_invariants, default_limits,
-    load_check_model, num_progress_units, report_to_json,
+    CheckOptions, CheckReport, Fault, Tally, TraceLimits, bundled_sample_traces, check_invariants, default_limits,
+    load_check_model, make_fault, num_progress_units, report_to_json,
 )
+from vtoken.engine.vllm.run import CHECK_RUNS, VllmCheckReport
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
@@ -49,7 +52,8 @@ def check_command(
              "vllm: vToken inside vLLM (needs vLLM and --model FOLDER; checks run in its scheduler and worker).")] = "sim",
     inject_fault: Annotated[Optional[str], typer.Option(
         help="Inject a fault the checker must catch, and the invariant that catches it: "
-             + ", ".join(f"{kind} ({FAULT_DETECTED_BY[kind]})" for kind in FAULT_KINDS) + ".", show_default=False)] = None,
+             + ", ".join(f"{kind} ({FAULT_DETECTED_BY[kind]})" for kind in FAULT_KINDS) + ". vllm: inside vLLM's "
+             "worker and scheduler, every kind but shared-block (no block is shared there).", show_default=False)] = None,
     fuzz: Annotated[int, typer.Option(
         help="Also run N random scenarios (requests, shared prefixes, budgets, policies, block sizes); "
              "without TRACE, only those.")] = 0,
@@ -91,7 +95,7 @@ def check_command(
         raise ConfigError(f"unknown executor '{executor}'; check-invariants runs on: {', '.join(EXECUTORS)}, vllm")
     if executor == "vllm":
         _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
-                       block_size, max_requests, json_out)
+                       block_size, max_requests, json_out, fault_kind=inject_fault)
         return
     limits = default_limits(executor)
     options = CheckOptions(
@@ -177,7 +181,8 @@ def check_report(report: CheckReport) -> Group:
     if messages:
         parts.append(Text("\n".join(messages), style="red"))
     if report.options.fault is not None:
-        parts.append(_fault_line(report))
+        caught_by = [name for name, t in report.tallies.items() if t.violations]
+        parts.append(_fault_line(report.options.fault, sum(r.faults_injected for r in report.runs), caught_by))
     parts.append(_verdict(report))
     return Group(*parts)
 
@@ -244,11 +249,8 @@ def _mark(tally: Tally) -> Text:
     return Text("✗", style="bold red") if tally.violations else Text("✓", style="bold green")
 
 
-def _fault_line(report: CheckReport) -> Text:
-    fault = report.options.fault
+def _fault_line(fault: str, num_injected: int, caught_by: list[str]) -> Text:
     expected = FAULT_DETECTED_BY[fault]
-    num_injected = sum(r.faults_injected for r in report.runs)
-    caught_by = [name for name, t in report.tallies.items() if t.violations]
     if num_injected == 0:
         return Text(f"fault {fault}: never injected (these scenarios never offered the chance); nothing was tested",
                     style="yellow")
@@ -285,15 +287,15 @@ VLLM_LIMITS = TraceLimits(max_requests=6, max_prompt_tokens=192, max_output_toke
 
 
 def _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
-                   block_size, max_requests, json_out) -> None:
+                   block_size, max_requests, json_out, fault_kind: str | None = None) -> None:
     """`--executor vllm`: naive-evict and vtoken, both modes, every check on inside vLLM's
-    scheduler and worker (I1 ids and data, I2, dense live layout); exit 1 on a violation."""
+    scheduler and worker, optionally with a fault injected there; exit 1 on a violation."""
+    fault = _vllm_fault(fault_kind)
     require_vllm()
     if model is None or not (Path(model).expanduser() / "config.json").is_file():
         raise ConfigError(f"--executor vllm needs --model, a local model folder with a config.json, got {model!r}")
     from vtoken.checker.scenarios import scale_requests
     from vtoken.engine.vllm.run import check_invariants_on_vllm
-    from vtoken.errors import InvariantError
 
     path = trace or next(p for p in bundled_sample_traces() if p.name == VLLM_DEFAULT_TRACE)
     loaded = load_trace(path)
@@ -306,20 +308,94 @@ def _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, con
         eviction_interval=eviction_interval, reclaim_mode="hole-fill", theta_f=theta_f, concurrency=concurrency,
         seed=seed, sim_profile=None,
     )
-    try:
-        with progress_bar(stderr, 40) as bar:
-            task = bar.add_task("checking on vLLM", total=4 * len(requests))
-            report = check_invariants_on_vllm(loaded, config, model, num_blocks,
-                                              lambda stage, n: bar.update(task, advance=n, description=stage))
-    except InvariantError as exc:
-        stderr.print(Text.assemble(("FAILED ", "bold red"), str(exc)), highlight=False)
-        raise typer.Exit(1) from None
-    payload = {"executor": "vllm", "passed": True, "trace": str(path), "notes": [cut] if cut else [],
-               "evictions_checked": report.num_evictions_checked, "copies_verified": report.num_copies_verified,
-               "runs": report.runs}
+    with progress_bar(stderr, 40) as bar:
+        task = bar.add_task("checking on vLLM", total=4 * len(requests))
+        report = check_invariants_on_vllm(loaded, config, model, num_blocks,
+                                          lambda stage, n: bar.update(task, advance=n, description=stage), fault=fault)
+    notes = [cut] if cut else []
     if json_out:
-        typer.echo(json.dumps(payload, indent=2))
+        typer.echo(json.dumps(_vllm_payload(report, path, config.eviction.policy, notes), indent=2))
     else:
-        stdout.print(f"PASSED on vLLM ({path.name if hasattr(path, 'name') else path}{'; ' + cut if cut else ''}): "
-                     f"{report.num_evictions_checked} evictions and {report.num_copies_verified} KV copies checked "
-                     "(naive-evict and vtoken, hole-fill and ordered)", highlight=False)
+        stdout.print(vllm_check_report(report, Path(path).name, config.eviction.policy, notes), soft_wrap=False)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def _vllm_fault(kind: str | None) -> Fault | None:
+    """The fault to inject into vLLM, or None; ConfigError for one that cannot go there."""
+    if kind is None:
+        return None
+    fault = make_fault(kind)
+    if fault.vllm_refusal:
+        raise ConfigError(f"--inject-fault {kind} cannot run on --executor vllm: {fault.vllm_refusal}")
+    return fault
+
+
+VLLM_INVARIANTS = ("I1", "I2", "I3")
+VLLM_CHECK_UNITS = {
+    "I1": "live ids after an eviction, or a step's KV copies read back byte for byte",
+    "I2": "a scan of all tables and the pool after an eviction",
+    "I3": "dense live layout after an eviction, what one request reads and writes in one forward, "
+          "or a step's copies landed before its forward",
+}
+VLLM_NO_I4 = ("I4 has nothing to check on vLLM: a compaction is applied when it is planned, and with prefix "
+              "caching off no block is shared")
+
+
+def _vllm_payload(report: VllmCheckReport, path: Path, policy: str, notes: list[str]) -> dict:
+    """The `--json` object of `--executor vllm`."""
+    violation = report.violation
+    return {
+        "executor": "vllm", "passed": report.passed, "trace": str(path), "policy": policy,
+        "notes": notes + [VLLM_NO_I4],
+        "evictions_checked": report.num_evictions_checked, "copies_verified": report.num_copies_verified,
+        "elapsed_s": report.elapsed_s,
+        "invariants": {name: {
+            "name": INVARIANT_NAMES[name], "checked": report.num_checks.get(name, 0),
+            "violations": int(violation is not None and violation.invariant == name),
+            "first_violation": vars(violation).copy() if violation is not None and violation.invariant == name else None,
+        } for name in VLLM_INVARIANTS},
+        "stopped": None if violation is None else f"after {violation.invariant} in {violation.run}",
+        "fault": None if report.fault is None else {
+            "kind": report.fault, "expected_invariant": FAULT_DETECTED_BY[report.fault],
+            "num_injected": report.num_faults_injected,
+        },
+        "runs": report.runs,
+    }
+
+
+def vllm_check_report(report: VllmCheckReport, trace_name: str, policy: str, notes: list[str]) -> Group:
+    """Header, the invariant table, the violation and the fault line, the verdict."""
+    violation = report.violation
+    header = Text(f"checked on vLLM: {trace_name}; policy {policy}; naive-evict and vtoken x hole-fill and ordered, "
+                  "every check inside vLLM's scheduler and worker" + "".join(f"\nnote: {n}" for n in notes))
+    caption = "; ".join(f"{name}: {unit}" for name, unit in VLLM_CHECK_UNITS.items())
+    table = Table(title="Invariants", title_justify="left", caption=f"one check = {caption}. {VLLM_NO_I4}",
+                  caption_justify="left")
+    for column in ("", "invariant", "checked", "violations", "first violation"):
+        table.add_column(column, justify="right" if column in ("checked", "violations") else "left")
+    for name in VLLM_INVARIANTS:
+        failed = violation is not None and violation.invariant == name
+        first = "-" if not failed else (
+            (f"vLLM block {violation.block_id}, offset {violation.offset} " if violation.block_id is not None else "")
+            + f"({violation.run})")
+        table.add_row(Text("✗", style="bold red") if failed else Text("✓", style="bold green"),
+                      f"{name} {INVARIANT_NAMES[name]}", f"{report.num_checks.get(name, 0):,}",
+                      Text(str(int(failed)), style="red" if failed else ""), first)
+    parts: list[RenderableType] = [header, table]
+    if violation is not None:
+        parts.append(Text(violation.message, style="red"))
+    if report.fault is not None:
+        parts.append(_fault_line(report.fault, report.num_faults_injected, [violation.invariant] if violation else []))
+    parts.append(_vllm_verdict(report))
+    return Group(*parts)
+
+
+def _vllm_verdict(report: VllmCheckReport) -> Text:
+    counts = (f"{report.num_evictions_checked:,} evictions and {report.num_copies_verified:,} relocations checked "
+              f"in {len(report.runs)} of {len(CHECK_RUNS)} runs, {report.elapsed_s:.1f} s")
+    violation = report.violation
+    if violation is None:
+        return Text.assemble(("PASSED ", "bold green"), f"I1-I3 held on every check: {counts}")
+    return Text.assemble(("FAILED ", "bold red"), f"{violation.invariant} violated in {violation.run}; the check "
+                         f"stopped there (a violation is raised inside vLLM's step): {counts}")

@@ -117,6 +117,22 @@ def test_new_tokens_go_right_after_the_packed_live_tokens():
     assert tracker.vllm_id_of[table.block_ids[10]] == 3 and table.offsets[10] == 2  # position 6
 
 
+def test_a_check_run_plan_names_the_slots_each_request_reads_and_writes():
+    tracker = VTokenTracker(settings(check_invariants=True), num_blocks=16, block_size=S)
+    tracker.req_idx("a")
+    tracker.sync("a", 10, [7, 3, 9])
+    prefill = tracker.take_step_plan(["a"])
+    assert prefill.new_slots["a"].tolist() == [28, 29, 30, 31, 12, 13, 14, 15, 36, 37]  # positions 0..9 in blocks 7, 3, 9
+    assert prefill.live_slots["a"].tolist() == [12, 13, 14, 15, 28, 29, 30, 31, 36, 37]
+    tracker.after_step("a", num_output_tokens=1, num_kv_tokens=10)  # keeps 0, 5..9, packed into positions 0..5
+    assert tracker.num_checks == {"I1": 1, "I2": 1, "I3": 1}
+    tracker.sync("a", 1, None)
+    decode = tracker.take_step_plan(["a"])
+    assert decode.new_slots["a"].tolist() == [3 * 4 + 2]  # token 10 at position 6
+    assert decode.live_slots["a"].tolist() == [12, 13, 14, 28, 29, 30, 31]  # positions 0..6
+    assert tracker_after_prefill().take_step_plan(["a"]).live_slots == {}  # not a check run
+
+
 def test_naive_evict_keeps_every_block_with_a_live_token():
     tracker = tracker_after_prefill("naive-evict")
     tracker.take_step_plan(["a"])

@@ -8,6 +8,20 @@ each one:
     double-map    after a relocation one moved token is repointed onto another's slot I2
     early-read    the table is repointed at launch, before the copy completed          I3
     shared-block  a plan also names a shared prefix block as a source                  I4
+
+The same faults go inside vLLM (`check-invariants --executor vllm`), where the scheduler's
+tracker repoints a request's table when it compacts it and the model runner copies the K/V at
+the start of the next step, before that step's forward. `wrap_vllm_runner` replaces methods of
+one model runner instance (engine/vllm/worker.py); `adopt_vllm_table` sees each token table the
+tracker creates:
+
+    drop-copy     the runner's copy skips the first move of every step                 I1
+    stale-slot    the runner's read lengths keep the pre-relocation evicted count, so
+                  attention reads past the live tokens, over the slots they left       I3
+    double-map    the tracker's tables, wrapped as in the sim                           I2
+    early-read    the runner copies after the forward that reads the moved tokens      I3
+    shared-block  refused (`vllm_refusal`): vLLM runs vToken with prefix caching off,
+                  so no block is ever shared
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ class Fault:
     """No fault: the real copy engine, planner and tables. Subclasses wrap one of them."""
 
     kind: str | None = None
+    vllm_refusal: str | None = None  # why the fault cannot be injected inside vLLM, if it cannot
 
     def __init__(self) -> None:
         self.num_injected = 0
@@ -44,6 +59,12 @@ class Fault:
 
     def adopt_table(self, table: TokenTable) -> None:
         """See a token table as it is created (before any relocation touches it)."""
+
+    def wrap_vllm_runner(self, runner) -> None:
+        """Replace methods of vLLM's model runner (a `VTokenRunnerMixin`) on this instance."""
+
+    def adopt_vllm_table(self, table: TokenTable) -> None:
+        """See a token table of vLLM's scheduler as it is created (before any relocation)."""
 
 
 class _SubstitutingCopyEngine(CopyEngineWrapper):
@@ -99,6 +120,17 @@ class DropCopy(Fault):
         self.num_injected += 1
         return _with_moves(plan, np.arange(1, plan.moves.num_moves)), plan
 
+    def wrap_vllm_runner(self, runner) -> None:
+        copy_slots = runner._vtoken_copy_slots
+
+        def copy_all_but_first(src_slots, dst_slots) -> int:
+            if src_slots.numel() == 0:
+                return copy_slots(src_slots, dst_slots)
+            self.num_injected += 1
+            return copy_slots(src_slots[1:], dst_slots[1:])
+
+        runner._vtoken_copy_slots = copy_all_but_first
+
 
 class EarlyRead(Fault):
     """The table is repointed when the copy is launched instead of when it completed."""
@@ -119,6 +151,25 @@ class EarlyRead(Fault):
         self._tables[plan.req_id].apply_moves(plan.moves)
         self.num_injected += 1
         return plan, _with_moves(plan, np.zeros(0, dtype=np.int64))  # nothing left to apply
+
+    def wrap_vllm_runner(self, runner) -> None:
+        """In vLLM the tables are repointed when a compaction is planned; the copy runs at the
+        start of the next step. Here it runs after that step's forward has read the tokens."""
+        copy, execute_model = runner._vtoken_copy, runner.execute_model
+        deferred = []
+
+        def copy_after_the_forward(plan) -> None:
+            if plan.num_moves:
+                self.num_injected += 1
+                deferred.append(plan)
+
+        def execute_model_then_copy(*args, **kwargs):
+            output = execute_model(*args, **kwargs)
+            while deferred:
+                copy(deferred.pop(0))
+            return output
+
+        runner._vtoken_copy, runner.execute_model = copy_after_the_forward, execute_model_then_copy
 
 
 class StaleSlot(Fault):
@@ -150,6 +201,30 @@ class StaleSlot(Fault):
 
         table.apply_moves, table.slots = apply_moves_without_refresh, stale_slots
 
+    def wrap_vllm_runner(self, runner) -> None:
+        """vLLM's attention reads positions 0..seq_len-1 of a request's block list, and the
+        runner shortens seq_len by the evicted count. Here that count is not refreshed after a
+        relocation: the read keeps the extent from before it, over the slots the moved tokens
+        left (the new tokens' write slots stay right)."""
+        read_lengths = runner._vtoken_read_lengths
+        last_seen: dict[str, int] = {}  # req id -> evicted count it was last read with
+        before_relocation: dict[str, int] = {}  # req id -> evicted count before its last relocation
+
+        def read_lengths_without_refresh(num_evicted: dict[str, int]) -> None:
+            stale = {}
+            for req_id, num in num_evicted.items():
+                previous = last_seen.get(req_id, 0)
+                if num > previous:
+                    before_relocation[req_id] = previous
+                    self.num_injected += 1
+                elif num < previous:  # rebuilt after a preemption, or a new request with the same id
+                    before_relocation.pop(req_id, None)
+                last_seen[req_id] = num
+                stale[req_id] = before_relocation.get(req_id, num)
+            read_lengths(stale)
+
+        runner._vtoken_read_lengths = read_lengths_without_refresh
+
 
 class DoubleMap(Fault):
     """After `apply_moves`, the last moved live token is pointed at the first one's slot."""
@@ -168,6 +243,8 @@ class DoubleMap(Fault):
                 self.num_injected += 1
 
         table.apply_moves = apply_moves_mapping_twice
+
+    adopt_vllm_table = adopt_table  # the tracker compacts through the table's apply_moves too
 
 
 class _SharedBlockPlanner:
@@ -203,6 +280,8 @@ class SharedBlock(Fault):
     `check_plan` gate raises before launch; the run records that I4 violation and stops."""
 
     kind = "shared-block"
+    vllm_refusal = ("vToken runs vLLM with prefix caching off (engine/vllm/support.py), so no KV block is ever "
+                    "shared between requests and a compaction has no shared block to name")
 
     def wrap_runtime(self, runtime: Runtime) -> None:
         if runtime.reclaimer is not None:

@@ -106,6 +106,17 @@ def cpu_copied_correctly(kv_caches: list[torch.Tensor], src_slots: torch.Tensor,
                for b, a in zip(before, cpu_gather(kv_caches, dst_slots, index_map)))
 
 
+def cpu_mismatched_tokens(kv_caches: list[torch.Tensor], slots: torch.Tensor, index_map: torch.Tensor,
+                          expected: list[torch.Tensor]) -> np.ndarray:
+    """bool [n]: which of the `n` tokens at `slots` do not hold, byte for byte in every layer,
+    the K/V in `expected` (a `cpu_gather` of n tokens taken earlier, e.g. of copy sources)."""
+    num_tokens = slots.numel()
+    mismatched = torch.zeros(num_tokens, dtype=torch.bool)
+    for want, have in zip(expected, cpu_gather(kv_caches, slots, index_map)):
+        mismatched |= (want.view(torch.uint8).view(num_tokens, -1) != have.view(torch.uint8).view(num_tokens, -1)).any(dim=1)
+    return mismatched.numpy()
+
+
 def cpu_gather(kv_caches: list[torch.Tensor], slots: torch.Tensor, index_map: torch.Tensor) -> list[torch.Tensor]:
     """The K/V elements of the tokens at `slots`, per distinct layer tensor (copies)."""
     indices = cpu_element_indices(slots, index_map, kv_caches[0].shape[1]).view(-1)

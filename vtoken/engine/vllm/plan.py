@@ -28,7 +28,11 @@ class StepPlan:
       entries of its block table before appending this step's new blocks;
     - `score_req_ids`: requests whose attention statistics the policy needs (H2O, ...);
     - `verify_copies`: check that every destination reads back its source's bytes (I1 on the
-      real KV; raises InvariantError in the worker), for `check_invariants` runs.
+      real KV; raises InvariantError in the worker), for `check_invariants` runs;
+    - `live_slots[req_id]` / `new_slots[req_id]` (check runs only, per scheduled request): the
+      vLLM slots of every live token once this step's tokens are written, ascending, and the
+      slots the token table gives this step's new tokens, in order. The worker checks that
+      attention reads exactly the first and writes the new K/V exactly to the second (I3).
     """
 
     src_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -37,6 +41,8 @@ class StepPlan:
     block_table_lengths: dict[str, int] = field(default_factory=dict)
     score_req_ids: frozenset[str] = frozenset()
     verify_copies: bool = False
+    live_slots: dict[str, np.ndarray] = field(default_factory=dict)
+    new_slots: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_moves(self) -> int:

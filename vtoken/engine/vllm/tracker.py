@@ -115,6 +115,8 @@ class VTokenTracker:
         self._next_req_idx = 0
         self._req_idx_of: dict[str, int] = {}
         self._truncations: dict[str, int] = {}
+        self._num_synced: dict[str, int] = {}  # tokens each request got since the last step plan
+        self.num_checks = dict.fromkeys(("I1", "I2", "I3"), 0)  # checks run (check_invariants)
         self.counters = dict(tokens_evicted=0, tokens_moved=0, blocks_reclaimed=0, relocation_events=0,
                              eviction_events=0, preemptions=0, invariant_violations=0)
 
@@ -169,6 +171,7 @@ class VTokenTracker:
             ledger_ids = self.ledger.allocate(num_needed)
             self.vllm_id_of[ledger_ids] = new_vllm_ids
         table.sync_new_tokens(ledger_ids, table.num_tokens + num_new_tokens)
+        self._num_synced[req_id] = self._num_synced.get(req_id, 0) + num_new_tokens
 
     @property
     def needs_scores(self) -> bool:
@@ -176,7 +179,8 @@ class VTokenTracker:
 
     def take_step_plan(self, scheduled_req_ids: list[str]) -> StepPlan:
         """Moves planned since the last step, lengths of the scheduled requests, truncations,
-        and which requests' attention the policy needs (not a recompute after preemption)."""
+        and which requests' attention the policy needs (not a recompute after preemption).
+        With `check_invariants`, also the slots each scheduled request must read and write."""
         src, dst = [], []
         for req_id, state in self.requests.items():
             if state.pending_src:
@@ -190,9 +194,22 @@ class VTokenTracker:
         score_req_ids = frozenset()
         if self.needs_scores:
             score_req_ids = frozenset(r for r in scheduled_req_ids if self.requests[r].resume_evicted_ids is None)
+        num_synced, self._num_synced = self._num_synced, {}
+        live_slots, new_slots = {}, {}
+        if self.settings.check_invariants:
+            for req_id in scheduled_req_ids:
+                table = self.requests[req_id].table
+                new_ids = np.arange(table.num_tokens - num_synced.get(req_id, 0), table.num_tokens)
+                live_slots[req_id] = np.sort(self._vllm_slots(table, table.live_token_ids()))
+                new_slots[req_id] = self._vllm_slots(table, new_ids)
         empty = np.zeros(0, dtype=np.int64)
         return StepPlan(np.concatenate(src) if src else empty, np.concatenate(dst) if dst else empty,
-                        num_evicted, truncations, score_req_ids, self.settings.check_invariants)
+                        num_evicted, truncations, score_req_ids, self.settings.check_invariants, live_slots, new_slots)
+
+    def _vllm_slots(self, table: TokenTable, token_ids: np.ndarray) -> np.ndarray:
+        """vLLM slots (vLLM block id * S + offset) of `token_ids` of `table`."""
+        slots = table.token_slots[token_ids]  # ledger slots
+        return self.vllm_id_of[slots // self.block_size] * self.block_size + slots % self.block_size
 
     # ---- update_from_output --------------------------------------------------------------------
 
@@ -277,8 +294,11 @@ class VTokenTracker:
 
     def _check(self, req_id: str, table: TokenTable, expected_live: np.ndarray) -> None:
         try:
+            self.num_checks["I1"] += 1
             check_conservation(table.req_id, expected_live, table.live_token_ids())
+            self.num_checks["I2"] += 1
             check_unique_mapping(self.ledger, [s.table for s in self.requests.values()])
+            self.num_checks["I3"] += 1
             _, positions = live_positions(table)
             if not np.array_equal(np.sort(positions), np.arange(positions.size)):
                 raise InvariantError("I3", f"request {req_id}: live tokens not dense after compaction; "

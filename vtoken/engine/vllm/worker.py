@@ -15,15 +15,29 @@ its class is swapped for one with `VTokenRunnerMixin` in front, which adds three
 3. Attention rows for H2O-style policies, when the plan asks for them: the scoring backend
    (attention.py) fills a collector during the forward; `sample_tokens` hands the rows to the
    scheduler on the ModelRunnerOutput.
+
+On a check run (`StepPlan.verify_copies`, CPU) it also checks, raising InvariantError:
+
+    after the copy          I1  every destination holds, byte for byte, what its source held
+    before the forward      I3  each request reads exactly its live tokens' slots (block table
+                                row x seq_len) and writes its new K/V to the slots its token
+                                table gave them; every copy destination already holds its
+                                source's K/V (no read before the copy landed)
+
+The copy, the copy step and the read lengths are separate methods (`_vtoken_copy_slots`,
+`_vtoken_copy`, `_vtoken_read_lengths`): the checker's faults (checker/faults.py) replace them
+on one runner instance.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import torch
 from vllm.platforms import current_platform
 
-from vtoken.engine.vllm.kv_layout import cpu_copied_correctly, cpu_gather, cpu_index_map, cpu_slot_copy, cuda_slot_copy
+from vtoken.engine.vllm.kv_layout import cpu_gather, cpu_index_map, cpu_mismatched_tokens, cpu_slot_copy, cuda_slot_copy
 from vtoken.engine.vllm.plan import PLAN_ATTRIBUTE, SCORES_ATTRIBUTE, StepPlan
 from vtoken.errors import InvariantError
 
@@ -44,23 +58,33 @@ class VTokenRunnerMixin:
     _vtoken_plan: StepPlan | None = None
     _vtoken_copy_stream: torch.cuda.Stream | None = None
     _vtoken_collector = None  # attention.ScoreCollector, made on first use
+    _vtoken_expected_kv: list[torch.Tensor] | None = None  # check runs: the step's copy sources, before the copy
     vtoken_bytes_copied: int = 0
+    vtoken_num_checks: Counter | None = None  # invariant -> checks this runner ran (check runs)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         plan = getattr(scheduler_output, PLAN_ATTRIBUTE, None)
         self._vtoken_plan = plan
+        self._vtoken_expected_kv = None
         if plan is not None:
             self._vtoken_truncate_block_tables(plan.block_table_lengths)
+            if plan.verify_copies and plan.num_moves and self.device.type == "cpu":
+                self._vtoken_expected_kv = cpu_gather(self.kv_caches, torch.from_numpy(plan.src_slots),
+                                                      self._vtoken_index_map())
             self._vtoken_copy(plan)
         return super().execute_model(scheduler_output, intermediate_tensors)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         plan = self._vtoken_plan
+        num_tokens = scheduler_output.total_num_scheduled_tokens
         if plan is not None and plan.num_evicted_tokens:
-            self._vtoken_physical_lengths(plan.num_evicted_tokens, scheduler_output.total_num_scheduled_tokens)
+            self._vtoken_slot_mapping(plan.num_evicted_tokens, num_tokens)
+            self._vtoken_read_lengths(plan.num_evicted_tokens)
         if plan is not None and plan.score_req_ids:
             self._vtoken_collect_scores(plan.score_req_ids)
+        if plan is not None and plan.live_slots:
+            self._vtoken_check_reads(plan, num_tokens)
         return result
 
     def sample_tokens(self, *args, **kwargs):
@@ -100,18 +124,30 @@ class VTokenRunnerMixin:
     # ---- KV copies -----------------------------------------------------------------------------
 
     def _vtoken_copy(self, plan: StepPlan) -> None:
+        """The plan's token moves, complete when this returns on CPU; then I1 on a check run."""
         if plan.num_moves == 0:
             return
-        src = torch.from_numpy(plan.src_slots)
-        dst = torch.from_numpy(plan.dst_slots)
+        self.vtoken_bytes_copied += self._vtoken_copy_slots(torch.from_numpy(plan.src_slots),
+                                                            torch.from_numpy(plan.dst_slots))
+        if self._vtoken_expected_kv is not None:
+            self._vtoken_check_landed(plan.dst_slots, "I1", f"a KV copy of {plan.num_moves} tokens did not land "
+                                      "byte for byte")
+
+    def _vtoken_copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> int:
+        """dst[i] <- src[i] (vLLM slots) in every layer, every source read before any write. Bytes copied."""
         if self.device.type == "cpu":
-            index_map = self._vtoken_index_map()
-            before = cpu_gather(self.kv_caches, src, index_map) if plan.verify_copies else None
-            self.vtoken_bytes_copied += cpu_slot_copy(self.kv_caches, src, dst, index_map)
-            if before is not None and not cpu_copied_correctly(self.kv_caches, src, dst, index_map, before):
-                raise InvariantError("I1", f"a KV copy of {plan.num_moves} tokens did not land byte for byte")
-            return
-        self._vtoken_cuda_copy(src, dst)
+            return cpu_slot_copy(self.kv_caches, src, dst, self._vtoken_index_map())
+        return self._vtoken_cuda_copy(src, dst)
+
+    def _vtoken_check_landed(self, dst_slots: np.ndarray, invariant: str, context: str) -> None:
+        """Every copy destination holds the K/V its source held when the step began."""
+        self._vtoken_count_check(invariant)
+        wrong = cpu_mismatched_tokens(self.kv_caches, torch.from_numpy(dst_slots), self._vtoken_index_map(),
+                                      self._vtoken_expected_kv)
+        if np.any(wrong):
+            slot = int(dst_slots[np.flatnonzero(wrong)[0]])
+            self._vtoken_fail(invariant, slot, f"{context}: destination {self._vtoken_place(slot)} does not hold "
+                              f"the K/V its source held ({int(wrong.sum())} of {dst_slots.size} destinations differ)")
 
     def _vtoken_index_map(self) -> torch.Tensor:
         kv = self.kv_caches[0]  # [num_blocks, num_kv_heads, block_size, 2 * head_dim]
@@ -119,7 +155,7 @@ class VTokenRunnerMixin:
                    if hasattr(layer, "isa"))
         return cpu_index_map(isa, kv.shape[2], kv.shape[3] // 2, kv.dtype)
 
-    def _vtoken_cuda_copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _vtoken_cuda_copy(self, src: torch.Tensor, dst: torch.Tensor) -> int:
         """Copy on a side stream after the work queued so far; the forward waits on its event."""
         if self._vtoken_copy_stream is None:
             self._vtoken_copy_stream = torch.cuda.Stream(device=self.device)
@@ -129,26 +165,110 @@ class VTokenRunnerMixin:
         with torch.cuda.stream(stream):
             src_dev = src.to(self.device, non_blocking=True)
             dst_dev = dst.to(self.device, non_blocking=True)
-            self.vtoken_bytes_copied += cuda_slot_copy(self.kv_caches, src_dev, dst_dev, self.cache_config.block_size)
+            num_bytes = cuda_slot_copy(self.kv_caches, src_dev, dst_dev, self.cache_config.block_size)
             done = torch.cuda.Event()
             done.record(stream)
         src_dev.record_stream(compute)
         dst_dev.record_stream(compute)
         compute.wait_event(done)
+        return num_bytes
 
     # ---- physical lengths ----------------------------------------------------------------------
 
-    def _vtoken_physical_lengths(self, num_evicted: dict[str, int], num_tokens: int) -> None:
-        """Slots from physical positions; attention reads the live count. Positions stay logical."""
+    def _vtoken_slot_mapping(self, num_evicted: dict[str, int], num_tokens: int) -> None:
+        """Slots of this step's new tokens from their physical positions (position - evicted
+        count); the positions themselves stay logical (rotary)."""
         num_reqs = self.input_batch.num_reqs
-        offsets_np = np.array([num_evicted.get(r, 0) for r in self.input_batch.req_ids[:num_reqs]], dtype=np.int64)
-        offsets = torch.from_numpy(offsets_np).to(self.device)
+        offsets = torch.from_numpy(self._vtoken_row_offsets(num_evicted)).to(self.device)
         req_indices = self.req_indices.gpu[:num_tokens].to(torch.int64)
         physical_positions = self.positions[:num_tokens] - offsets[req_indices]
         self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1],
                                                           physical_positions)
-        self.seq_lens[:num_reqs] -= offsets.to(self.seq_lens.dtype)
-        self.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(offsets_np).to(self.optimistic_seq_lens_cpu.dtype)
+
+    def _vtoken_read_lengths(self, num_evicted: dict[str, int]) -> None:
+        """The KV length attention reads: the live tokens, `seq_len - evicted count`."""
+        num_reqs = self.input_batch.num_reqs
+        offsets = torch.from_numpy(self._vtoken_row_offsets(num_evicted))
+        self.seq_lens[:num_reqs] -= offsets.to(self.device).to(self.seq_lens.dtype)
+        self.optimistic_seq_lens_cpu[:num_reqs] -= offsets.to(self.optimistic_seq_lens_cpu.dtype)
+
+    def _vtoken_row_offsets(self, num_evicted: dict[str, int]) -> np.ndarray:
+        """int64 [num_reqs]: evicted count of the request in each batch row (0 when absent)."""
+        req_ids = self.input_batch.req_ids[: self.input_batch.num_reqs]
+        return np.array([num_evicted.get(r, 0) for r in req_ids], dtype=np.int64)
+
+    # ---- checks (check runs) -------------------------------------------------------------------
+
+    def _vtoken_check_reads(self, plan: StepPlan, num_tokens: int) -> None:
+        """I3 on what this forward is about to read and write, from the tensors attention gets.
+
+        Per request: the slots it reads, positions 0..seq_len-1 through its block table row, are
+        exactly its live tokens' slots; its new K/V goes to the slots its token table gave them.
+        Then every copy destination of the step holds its source's K/V: the copy has landed.
+        """
+        num_reqs = self.input_batch.num_reqs
+        block_size = self.cache_config.block_size
+        block_table = self.input_batch.block_table[0]
+        rows = block_table.get_device_tensor(num_reqs).cpu().numpy().astype(np.int64)
+        seq_lens = self.seq_lens[:num_reqs].cpu().numpy()
+        written = block_table.slot_mapping.gpu[:num_tokens].cpu().numpy()
+        starts = self.query_start_loc.gpu[: num_reqs + 1].cpu().numpy()
+        for row, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+            live_slots = plan.live_slots.get(req_id)
+            if live_slots is None:
+                continue
+            self._vtoken_count_check("I3")
+            positions = np.arange(int(seq_lens[row]))
+            if positions.size and positions[-1] // block_size >= rows.shape[1]:
+                self._vtoken_fail("I3", None, f"request {req_id} reads {positions.size} tokens, past its block table")
+            read = rows[row, positions // block_size] * block_size + positions % block_size  # by position
+            if not np.array_equal(np.sort(read), live_slots):
+                self._vtoken_fail_read(req_id, read, live_slots)
+            new_slots, expected = written[starts[row] : starts[row + 1]], plan.new_slots[req_id]
+            if not np.array_equal(new_slots, expected):
+                self._vtoken_fail_write(req_id, new_slots, expected)
+        if self._vtoken_expected_kv is not None:
+            self._vtoken_check_landed(plan.dst_slots, "I3", f"this forward reads the {plan.num_moves} moved tokens "
+                                      "before their copy landed")
+
+    def _vtoken_fail_read(self, req_id: str, read: np.ndarray, live_slots: np.ndarray) -> None:
+        """`read`: the slots the request reads, by position; `live_slots`: its live tokens', sorted."""
+        counts = f"request {req_id} reads {read.size} slots for its {live_slots.size} live tokens"
+        stray = np.flatnonzero(~np.isin(read, live_slots))
+        if stray.size:
+            slot = int(read[stray[0]])
+            self._vtoken_fail("I3", slot, f"{counts}: position {int(stray[0])}, at {self._vtoken_place(slot)}, "
+                              "holds none of them")
+        missing = np.setdiff1d(live_slots, read)
+        if missing.size:
+            slot = int(missing[0])
+            self._vtoken_fail("I3", slot, f"{counts}: the one at {self._vtoken_place(slot)} is never read")
+        self._vtoken_fail("I3", None, f"{counts}: one slot is read twice")
+
+    def _vtoken_fail_write(self, req_id: str, new_slots: np.ndarray, expected: np.ndarray) -> None:
+        stray = np.setdiff1d(new_slots, expected)
+        if stray.size:
+            slot = int(stray[0])
+            self._vtoken_fail("I3", slot, f"request {req_id} writes a new token's K/V to {self._vtoken_place(slot)}, "
+                              "where its token table maps none of its new tokens")
+        self._vtoken_fail("I3", None, f"request {req_id} writes {new_slots.size} new tokens' K/V, not to the "
+                          f"{expected.size} slots its token table gives them in that order")
+
+    def _vtoken_fail(self, invariant: str, slot: int | None, message: str) -> None:
+        """Raise InvariantError, naming the vLLM block and offset of `slot` when given."""
+        if slot is None:
+            raise InvariantError(invariant, message)
+        block_id, offset = divmod(slot, self.cache_config.block_size)
+        raise InvariantError(invariant, message, block_id=block_id, offset=offset)
+
+    def _vtoken_place(self, slot: int) -> str:
+        block_id, offset = divmod(slot, self.cache_config.block_size)
+        return f"block {block_id} offset {offset}"
+
+    def _vtoken_count_check(self, invariant: str) -> None:
+        if self.vtoken_num_checks is None:
+            self.vtoken_num_checks = Counter()
+        self.vtoken_num_checks[invariant] += 1
 
 
 class VTokenModelRunner(VTokenRunnerMixin, _StockRunner):
