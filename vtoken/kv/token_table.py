@@ -81,8 +81,12 @@ class TokenTable:
         # the pool: the last _num_pending tokens, at the cursor's last _num_pending offsets
         self._num_pending = 0
         self._is_deferred = False  # listed with the pool, which calls flush() before its next read
-        # the slot cache, used once a token is dead: _cache[:_num_cached] while _is_cache_valid
+        # the slot cache, used once a token is dead: _cache[_cache_start:][:_num_cached] while
+        # _is_cache_valid; an eviction shifts the shorter side by one, through a memoryview
+        # (a memmove either way, where numpy would copy overlapping slices through a buffer)
         self._cache = np.zeros(0, dtype=np.int64)
+        self._cache_view = memoryview(self._cache)
+        self._cache_start = 0
         self._num_cached = 0
         self._is_cache_valid = False
 
@@ -140,24 +144,27 @@ class TokenTable:
             return self._slot[: self.num_tokens]
         if not self._is_cache_valid:
             self._rebuild_slot_cache()
-        return self._cache[: self._num_cached]
+        return self._cache[self._cache_start : self._cache_start + self._num_cached]
 
     def _rebuild_slot_cache(self) -> None:
         live_slots = self._slot[: self.num_tokens][self._live[: self.num_tokens]]
-        num_live = live_slots.size
-        self._cache = np.empty(num_live + num_live // 4 + 64, dtype=np.int64)
-        self._cache[:num_live] = live_slots
-        self._num_cached = num_live
-        self._is_cache_valid = True
+        self._new_cache(live_slots.size)[:] = live_slots
+
+    def _new_cache(self, num_slots: int) -> np.ndarray:
+        """A fresh cache buffer with room to grow; returns the part the caller fills."""
+        self._cache = np.empty(num_slots + num_slots // 4 + 64, dtype=np.int64)
+        self._cache_view = memoryview(self._cache)
+        self._cache_start, self._num_cached, self._is_cache_valid = 0, num_slots, True
+        return self._cache[:num_slots]
 
     def _append_to_cache(self, new_slots: np.ndarray) -> None:
-        start, end = self._num_cached, self._num_cached + new_slots.size
-        if end > self._cache.size:
-            grown = np.empty(max(end, 2 * self._cache.size), dtype=np.int64)
-            grown[:start] = self._cache[:start]
-            self._cache = grown
-        self._cache[start:end] = new_slots
-        self._num_cached = end
+        start, num_cached = self._cache_start, self._num_cached
+        if start + num_cached + new_slots.size > self._cache.size:
+            cached = self._cache[start : start + num_cached]
+            self._new_cache(num_cached + new_slots.size)[:num_cached] = cached
+            self._num_cached, start = num_cached, 0
+        self._cache[start + num_cached : start + num_cached + new_slots.size] = new_slots
+        self._num_cached = num_cached + new_slots.size
 
     def max_reclaimable_blocks(self) -> int:
         """An upper bound, in O(1), of the blocks a perfect packing of the relocatable live
@@ -257,10 +264,11 @@ class TokenTable:
                 slot = self._tail_slot + cursor
                 self._slot[token_id] = slot
                 if self._num_dead and self._is_cache_valid:
-                    if self._num_cached == self._cache.size:
+                    end = self._cache_start + self._num_cached
+                    if end == self._cache.size:
                         self._append_to_cache(np.array([slot]))
                     else:
-                        self._cache[self._num_cached] = slot
+                        self._cache[end] = slot
                         self._num_cached += 1
                 pool = self.pool
                 pool.num_live_tokens += 1
@@ -378,18 +386,18 @@ class TokenTable:
         self._token_at[slot] = -1
         if not self._num_dead:  # the first dead token: the cache starts as every slot but this one
             num_tokens = self.num_tokens
-            self._cache = np.empty(num_tokens + num_tokens // 4 + 64, dtype=np.int64)
-            self._cache[:token_id] = self._slot[:token_id]
-            self._cache[token_id : num_tokens - 1] = self._slot[token_id + 1 : num_tokens]
-            self._num_cached = num_tokens - 1
-            self._is_cache_valid = True
-        elif self._is_cache_valid:  # drop its entry: a memmove of what follows it
-            num_tokens, num_cached, cache = self.num_tokens, self._num_cached, self._cache
-            if 2 * token_id < num_tokens:  # its index: live tokens before it, counted from the nearer end
-                idx = np.count_nonzero(live[:token_id])
-            else:
-                idx = num_cached - 1 - np.count_nonzero(live[token_id + 1 : num_tokens])
-            cache[idx : num_cached - 1] = cache[idx + 1 : num_cached]
+            cache = self._new_cache(num_tokens - 1)
+            cache[:token_id] = self._slot[:token_id]
+            cache[token_id:] = self._slot[token_id + 1 : num_tokens]
+        elif self._is_cache_valid:  # drop its entry: shift the side before or after it by one
+            num_tokens, num_cached, start, view = self.num_tokens, self._num_cached, self._cache_start, self._cache_view
+            if 2 * token_id < num_tokens:  # near the front: live tokens before it move up one
+                idx = start + np.count_nonzero(live[:token_id])
+                view[start + 1 : idx + 1] = view[start:idx]
+                self._cache_start = start + 1
+            else:  # near the back: live tokens after it move down one
+                idx = start + num_cached - 1 - np.count_nonzero(live[token_id + 1 : num_tokens])
+                view[idx : start + num_cached - 1] = view[idx + 1 : start + num_cached]
             self._num_cached = num_cached - 1
         live[token_id] = False
         self._num_dead += 1
