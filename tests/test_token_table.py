@@ -497,3 +497,19 @@ def test_pool_reads_count_the_decode_appends_of_every_table() -> None:
     assert pool.live_counts[:4].tolist() == [4, 4, 2, 1]  # a: blocks 0, 3; b: blocks 1, 2
     assert (pool.num_live_tokens, pool.waste_ratio()) == (11, 1 - 11 / 16)
     assert pool.utilization_histogram().tolist() == [0, 0, 1, 0, 0, 1, 0, 0, 0, 2]
+
+
+def test_set_tail_cursor_after_packing_and_its_refusals() -> None:
+    table = make_table(make_pool(), 7)  # block 0 full, tokens 4..6 at block 1 offsets 0..2
+    table.evict_tokens(np.array([5]))
+    with pytest.raises(VTokenError, match="a live token sits at or past tail offset 2"):
+        table.set_tail_cursor(2)  # token 6 is still at offset 2: nothing changes
+    assert table.tail_num_written == 3
+    table.apply_moves(make_moves([(6, 1, 2, 1, 1)]))  # pack token 6 into the hole at offset 1
+    with pytest.raises(VTokenError, match="a live token sits at or past tail offset 1"):
+        table.set_tail_cursor(1)
+    table.set_tail_cursor(2)
+    grow(table, 1)
+    assert table.token_slots[7] == 1 * S + 2  # the next token lands right after the live ones
+    with pytest.raises(VTokenError, match="cannot set the tail cursor to 5"):
+        table.set_tail_cursor(5)

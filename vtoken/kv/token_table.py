@@ -512,6 +512,18 @@ class TokenTable:
             self.tail_num_written = self._cursor_after_last_live()
         self.layout_version += 1
 
+    def set_tail_cursor(self, num_written: int) -> None:
+        """Move the append cursor of the tail block, after a compaction packed its live tokens
+        into the first `num_written` offsets (as an engine that writes new tokens right after
+        the live ones expects). Raises, changing nothing, if a live token sits at or past it."""
+        self.flush()
+        if not self._num_held or not 0 <= num_written <= self.block_size:
+            raise VTokenError(f"request {self.req_id}: cannot set the tail cursor to {num_written}")
+        if (self._token_at[self._tail_slot + num_written : self._tail_slot + self.block_size] >= 0).any():
+            raise VTokenError(f"request {self.req_id}: a live token sits at or past tail offset {num_written}")
+        self.tail_num_written = num_written
+        self.layout_version += 1
+
     def _live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
         """Live tokens stored in `block_ids`, in logical order, from the pool's reverse map."""
         self.flush()

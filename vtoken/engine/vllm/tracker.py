@@ -274,7 +274,7 @@ class VTokenTracker:
         self.ledger.free(emptied)
         # New tokens go right after the packed live tokens, where vLLM will write them; the
         # table keeps its cursor where it was unless the tail block itself was released.
-        table.tail_num_written = table.num_live_tokens - (table.num_blocks - 1) * self.block_size
+        table.set_tail_cursor(table.num_live_tokens - (table.num_blocks - 1) * self.block_size)
         if moves.num_moves:
             state.pending_src.append(self.vllm_id_of[moves.src_block_ids] * self.block_size + moves.src_offsets)
             state.pending_dst.append(self.vllm_id_of[moves.dst_block_ids] * self.block_size + moves.dst_offsets)
