@@ -271,7 +271,7 @@ def _padded_slots(tables: Sequence) -> tuple[np.ndarray, np.ndarray]:
     key_slots = np.empty((len(slots), int(num_keys.max())), dtype=np.int64)
     for row, (table, row_slots) in enumerate(zip(tables, slots)):
         new_token = table.num_tokens - 1
-        assert row_slots[-1] == table.block_ids[new_token] * table.block_size + table.offsets[new_token], \
+        assert row_slots[-1] == table.token_slots[new_token], \
             f"request {table.req_id}: the new token is not the last live slot"
         key_slots[row, : row_slots.size] = row_slots
         key_slots[row, row_slots.size :] = row_slots[-1]

@@ -263,7 +263,7 @@ class Runtime:
         table = state.table
         live_before = table.live_token_ids()
         table.apply_moves(plan.moves)
-        held = np.asarray(table.block_ids_held[table.num_pinned_blocks :], dtype=np.int64)
+        held = table.held_block_ids()[table.num_pinned_blocks :]
         emptied = held[self.pool.live_counts[held] == 0]
         table.release_blocks(emptied)
         self.pool.free(emptied)

@@ -31,12 +31,13 @@ COMPACTION_MODES = ("hole-fill", "ordered")
 def live_positions(table: TokenTable) -> tuple[np.ndarray, np.ndarray]:
     """Live logical ids (ascending) and their positions in the request's block list."""
     live_ids = table.live_token_ids()
-    held = np.asarray(table.block_ids_held, dtype=np.int64)
+    held = table.held_block_ids()
     index_of_block = np.full(int(held.max(initial=-1)) + 1, -1, dtype=np.int64)
     index_of_block[held] = np.arange(held.size)
-    block_idx = index_of_block[table.block_ids[live_ids]]
+    slots = table.token_slots[live_ids]
+    block_idx = index_of_block[slots // table.block_size]
     assert np.all(block_idx >= 0), "a live token maps to a block its request does not hold"
-    return live_ids, block_idx * table.block_size + table.offsets[live_ids]
+    return live_ids, block_idx * table.block_size + slots % table.block_size
 
 
 def plan_compaction(table: TokenTable, mode: str) -> Moves:
@@ -64,7 +65,7 @@ def plan_compaction(table: TokenTable, mode: str) -> Moves:
 
 
 def _moves(table: TokenTable, token_ids: np.ndarray, src: np.ndarray, dst: np.ndarray) -> Moves:
-    held = np.asarray(table.block_ids_held, dtype=np.int64)
+    held = table.held_block_ids()
     size = table.block_size
     order = np.argsort(token_ids, kind="stable")
     token_ids, src, dst = token_ids[order], src[order], dst[order]
