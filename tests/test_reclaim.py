@@ -91,6 +91,7 @@ def layout_of(table: TokenTable) -> list[str]:
     ({"check_interval_steps": 0}, "reclaim check interval must be > 0 steps, got 0"),
     ({"max_src_blocks": 1}, "reclaim batch size B must be >= 2 blocks, got 1"),
     ({"headroom_blocks": -1}, "headroom must be >= 0 blocks, got -1"),
+    ({"max_moves_per_round": 0}, "reclaim budget must be > 0 tokens moved per round, got 0"),
 ])
 def test_bad_reclaim_config_raises(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -276,6 +277,20 @@ def test_busy_requests_are_skipped_and_the_most_reclaimable_comes_first() -> Non
     reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill"), pool)
     assert [p.req_id for p in reclaimer.plan([a, b, c])] == [1, 0, 2]
     assert [p.req_id for p in reclaimer.plan([a, b, c], frozenset({1, 2}))] == [0]
+
+
+def test_a_round_stops_planning_once_its_budget_of_moves_is_spent() -> None:
+    pool = BlockPool(32, S)
+    a = make_layout("L...", "L...", tail="L", pool=pool, req_id=0)  # 1 move frees 1 block
+    b = make_layout("L...", "L...", "L...", tail="L", pool=pool, req_id=1)  # 2 moves free 2 blocks
+    c = make_layout("L...", "L...", tail="L", pool=pool, req_id=2)
+    def moved(budget: int | None) -> list[tuple[int, int]]:
+        plans = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_round=budget), pool).plan([a, b, c])
+        return [(p.req_id, p.num_tokens_moved) for p in plans]
+    assert moved(None) == [(1, 2), (0, 1), (2, 1)]
+    assert moved(2) == [(1, 2)]  # spent by the first plan
+    assert moved(3) == [(1, 2), (0, 1)]  # the plan that reaches the budget is the last one
+    assert moved(1) == [(1, 2)]  # a plan is never split: one plan may pass the budget
 
 
 def test_plan_mutates_nothing() -> None:

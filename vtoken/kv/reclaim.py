@@ -42,6 +42,7 @@ class ReclaimConfig:
     check_interval_steps: int = 4  # k: eligibility is checked every k engine iterations
     max_src_blocks: int = 64  # B: source blocks per plan
     headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
+    max_moves_per_round: int | None = None  # stop planning a round once its plans move this many tokens
 
     def __post_init__(self) -> None:
         if self.mode not in RECLAIM_MODES:
@@ -56,6 +57,8 @@ class ReclaimConfig:
             raise ConfigError(f"reclaim batch size B must be >= 2 blocks, got {self.max_src_blocks}")
         if self.headroom_blocks is not None and self.headroom_blocks < 0:
             raise ConfigError(f"headroom must be >= 0 blocks, got {self.headroom_blocks}")
+        if self.max_moves_per_round is not None and self.max_moves_per_round <= 0:
+            raise ConfigError(f"reclaim budget must be > 0 tokens moved per round, got {self.max_moves_per_round}")
 
     @property
     def num_headroom_blocks(self) -> int:
@@ -117,8 +120,11 @@ class Reclaimer:
                 candidates.append((-movable.num_reclaimable, table.req_id, table, movable))
         candidates.sort(key=lambda c: (c[0], c[1]))
         plans: list[RelocationPlan] = []
-        num_dst_used = 0
+        num_dst_used, num_moved = 0, 0
+        budget = self.config.max_moves_per_round
         for _, _, table, movable in candidates:
+            if budget is not None and num_moved >= budget:
+                break
             if self.config.mode == "hole-fill":
                 plan = plan_hole_fill(table, self.config.max_src_blocks, movable)
             else:
@@ -126,6 +132,7 @@ class Reclaimer:
             if plan is not None:
                 plans.append(plan)
                 num_dst_used += plan.dst_new_block_ids.size
+                num_moved += plan.num_tokens_moved
         return plans
 
 
