@@ -97,6 +97,11 @@ def test_report_groups_by_policy_and_mode_and_counts_every_event() -> None:
 # ---- faults ---------------------------------------------------------------------------------------
 
 
+def test_the_fault_names_the_cli_shows_are_the_fault_classes() -> None:
+    assert tuple(checker.FAULTS) == FAULT_KINDS
+    assert list(FAULT_DETECTED_BY) == list(FAULT_KINDS)
+
+
 @pytest.mark.parametrize("fault", FAULT_KINDS)
 def test_each_fault_is_caught_by_the_invariant_it_breaks_and_only_that(fault) -> None:
     trace = load_trace(next(p for p in bundled_sample_traces() if p.name == "shared_prefix.jsonl"))

@@ -13,7 +13,7 @@ from fakeserver import HANG, Hang, Route, serve
 from typer.testing import CliRunner
 
 import vtoken.audit as audit_module
-import vtoken_cli.cmd_audit as cmd_audit
+import vtoken_cli.plots as plots
 from vtoken.audit import Overrides, audit, report_to_json
 from vtoken.nvml import NvmlReport
 from vtoken_cli.app import app
@@ -174,7 +174,7 @@ def test_a_failed_write_leaves_nothing_half_written(tmp_path: Path, monkeypatch:
         path.write_bytes(b"half a png")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(cmd_audit, "_plot_histogram", broken_plot)
+    monkeypatch.setattr(plots, "plot_policy_histogram", broken_plot)
     result = invoke(str(SMALL), *TINY_FLAGS, "--output", str(tmp_path / "audit"))
 
     assert result.exit_code != 0 and isinstance(result.exception, RuntimeError)

@@ -11,27 +11,22 @@ import json
 from pathlib import Path
 from typing import Annotated, Optional
 
-import matplotlib
+import typer
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import typer  # noqa: E402
-from rich.console import Group, RenderableType  # noqa: E402
-from rich.panel import Panel  # noqa: E402
-from rich.table import Table  # noqa: E402
-from rich.text import Text  # noqa: E402
-
-from vtoken.audit import (  # noqa: E402
+from vtoken.audit import (
     AUDIT_VARIANTS, DEFINITIONS, AuditReport, Overrides, PolicyAudit, audit, policy_title, report_rows, report_to_json,
 )
-from vtoken.errors import ConfigError  # noqa: E402
-from vtoken.hardware import GiB  # noqa: E402
-from vtoken.policies import POLICIES  # noqa: E402
-from vtoken.trace import TRACE_FORMATS  # noqa: E402
-from vtoken_cli.app import command, stderr, stdout  # noqa: E402
-from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir  # noqa: E402
-from vtoken_cli.render import BIN_LABELS, definitions_table, histogram  # noqa: E402
+from vtoken.errors import ConfigError
+from vtoken.hardware import GiB
+from vtoken.policies import POLICIES
+from vtoken.trace import TRACE_FORMATS
+from vtoken_cli.app import command, stderr, stdout
+from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
+from vtoken_cli.render import definitions_table, histogram
 
 
 @command("audit")
@@ -213,26 +208,14 @@ def _percent(value: float | None) -> str:
 
 def _writers(report: AuditReport, payload: dict) -> list:
     def write_csv(d: Path) -> None:
+        import pandas as pd
+
         pd.DataFrame(report_rows(report)).to_csv(d / "policies.csv", index=False)
 
     def write_plots(d: Path) -> None:
+        from vtoken_cli import plots  # matplotlib: imported when a plot is drawn, not at start-up
+
         for p in report.policies:
-            _plot_histogram(p, d / f"histogram_{p.policy}.png")
+            plots.plot_policy_histogram(p, d / f"histogram_{p.policy}.png")
 
     return [json_writer(payload), write_csv, write_plots]
-
-
-def _plot_histogram(p: PolicyAudit, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    width = 0.4
-    for offset, variant in ((-width / 2, "naive-evict"), (width / 2, "vtoken")):
-        run = p.runs[variant]
-        ax.bar([i + offset for i in range(10)], [100 * v for v in run.utilization_histogram], width,
-               label=f"{variant} (F = {run.waste_ratio:.2f})")
-    ax.set_xticks(range(10), [label.strip() for label in BIN_LABELS], rotation=45, fontsize=7)
-    ax.set(xlabel="block utilization (live tokens / S)", ylabel="share of allocated blocks (%)",
-           title=f"{policy_title(p.policy)}: block utilization, time-weighted")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

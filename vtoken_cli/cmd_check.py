@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
-import pandas as pd
 import typer
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from vtoken.checker import (
+from vtoken.checker_names import (
     CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, INVARIANT_NAMES, INVARIANTS, PRESSURE,
-    CheckOptions, CheckReport, Fault, Tally, TraceLimits, bundled_sample_traces, check_invariants, default_limits,
-    load_check_model, make_fault, num_progress_units, report_to_json,
+    TraceLimits, default_limits,
 )
 from vtoken.engine.vllm.run import CHECK_RUNS, VllmCheckReport
 from vtoken.errors import ConfigError
@@ -33,6 +31,9 @@ from vtoken.trace import TRACE_FORMATS, load_trace
 from vtoken_cli.app import command, stderr, stdout
 from vtoken_cli.options import build_run_config, require_vllm
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
+
+if TYPE_CHECKING:  # vtoken.checker imports torch: the command imports it when it runs, not at start-up
+    from vtoken.checker import CheckReport, Fault, Tally
 
 SIM_MODEL = "llama-3.1-8b"
 SIM_LIMITS = default_limits("sim")
@@ -97,6 +98,10 @@ def check_command(
         _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
                        block_size, max_requests, json_out, fault_kind=inject_fault)
         return
+    from vtoken.checker import (
+        CheckOptions, bundled_sample_traces, check_invariants, load_check_model, num_progress_units, report_to_json,
+    )
+
     limits = default_limits(executor)
     options = CheckOptions(
         policies=_policies(policy), reclaim_modes=_reclaim_modes(reclaim_mode), executor=executor, fault=inject_fault,
@@ -161,6 +166,8 @@ def _reclaim_modes(text: str) -> tuple[str, ...]:
 
 def _writers(payload: dict) -> list:
     def write_csv(d: Path) -> None:
+        import pandas as pd
+
         rows = []
         for run in payload["runs"]:
             row = {k: v for k, v in run.items() if k != "invariants"}
@@ -294,7 +301,7 @@ def _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, con
     require_vllm()
     if model is None or not (Path(model).expanduser() / "config.json").is_file():
         raise ConfigError(f"--executor vllm needs --model, a local model folder with a config.json, got {model!r}")
-    from vtoken.checker.scenarios import scale_requests
+    from vtoken.checker import bundled_sample_traces, scale_requests
     from vtoken.engine.vllm.run import check_invariants_on_vllm
 
     path = trace or next(p for p in bundled_sample_traces() if p.name == VLLM_DEFAULT_TRACE)
@@ -325,6 +332,8 @@ def _vllm_fault(kind: str | None) -> Fault | None:
     """The fault to inject into vLLM, or None; ConfigError for one that cannot go there."""
     if kind is None:
         return None
+    from vtoken.checker import make_fault
+
     fault = make_fault(kind)
     if fault.vllm_refusal:
         raise ConfigError(f"--inject-fault {kind} cannot run on --executor vllm: {fault.vllm_refusal}")

@@ -11,7 +11,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
-import pandas as pd
 import typer
 from rich.console import Group
 from rich.panel import Panel
@@ -23,7 +22,7 @@ from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES
 from vtoken.policies import POLICIES
 from vtoken.trace import TRACE_FORMATS, load_trace
-from vtoken_cli import plots, render
+from vtoken_cli import render
 from vtoken_cli.app import command, stderr, stdout
 from vtoken_cli.options import build_run_config, parse_int_list, require_vllm
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
@@ -146,6 +145,8 @@ def _hf_report(report: CompareReport, explain: bool) -> Group:
 
 def _writers(report, payload: dict) -> list:
     def write_csv(d: Path) -> None:
+        import pandas as pd
+
         rows = [{"variant": v, **{k: x for k, x in e.items() if not isinstance(x, (list, dict))}} for v, e in payload["variants"].items()]
         pd.DataFrame(rows).to_csv(d / "variants.csv", index=False)
         hist = [{"variant": v, "bin": i, "fraction": x} for v, e in payload["variants"].items() for i, x in enumerate(e["utilization_histogram"])]
@@ -156,6 +157,8 @@ def _writers(report, payload: dict) -> list:
             pd.DataFrame([asdict(p) for p in report.frontier.points]).to_csv(d / "frontier.csv", index=False)
 
     def write_plots(d: Path) -> None:
+        from vtoken_cli import plots  # matplotlib: imported when a plot is drawn, not at start-up
+
         plots.plot_histograms(report, d / "utilization_histograms.png")
         if report.sla is not None:
             plots.plot_sweep(report, d / "sweep.png")

@@ -1,4 +1,6 @@
-"""matplotlib figures written to PNG (Agg backend, no display)."""
+"""matplotlib figures written to PNG (Agg backend, no display): those of `vtoken compare --output`
+and `vtoken audit --output`. The commands import this module only when they draw, so that
+matplotlib is not imported at start-up."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from vtoken.audit import PolicyAudit, policy_title  # noqa: E402
 from vtoken.compare import CompareReport  # noqa: E402
+from vtoken_cli.render import BIN_LABELS  # noqa: E402
 
 BIN_CENTERS = [f"{10 * i}-{10 * (i + 1)}" for i in range(10)]
 
@@ -55,6 +59,23 @@ def plot_frontier(report: CompareReport, path: Path) -> None:
         ax.plot([p.concurrency for p in points], [p.peak_blocks for p in points], marker="o", label=variant)
     ax.axhline(fr.budget_blocks, color="red", linestyle="--", label="budget")
     ax.set(xlabel="concurrency (all resident at t=0)", ylabel="peak block demand", title="capacity frontier")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_policy_histogram(p: PolicyAudit, path: Path) -> None:
+    """`vtoken audit`: one policy's block utilization, naive-evict next to vtoken."""
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    width = 0.4
+    for offset, variant in ((-width / 2, "naive-evict"), (width / 2, "vtoken")):
+        run = p.runs[variant]
+        ax.bar([i + offset for i in range(10)], [100 * v for v in run.utilization_histogram], width,
+               label=f"{variant} (F = {run.waste_ratio:.2f})")
+    ax.set_xticks(range(10), [label.strip() for label in BIN_LABELS], rotation=45, fontsize=7)
+    ax.set(xlabel="block utilization (live tokens / S)", ylabel="share of allocated blocks (%)",
+           title=f"{policy_title(p.policy)}: block utilization, time-weighted")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

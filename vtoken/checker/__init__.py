@@ -16,6 +16,9 @@ real copy engine over a materialized KV tensor, and an observer that sees every 
             CheckingObserver        observer.py   I1-I4 on every event; violations recorded
         -> CheckReport              report.py     tallies per run and in all; report_to_json()
 
+The names (invariants, fault kinds, executors, trace limits) live in vtoken/checker_names.py,
+outside this package, so that the CLI renders `--help` without importing torch.
+
 This module holds the entry points and re-exports the names the CLI and the tests use.
 """
 
@@ -31,23 +34,23 @@ from vtoken.checker.contents import KV_DTYPE, KV_HEAD_DIM, KV_NUM_HEADS, KV_NUM_
 from vtoken.checker.copies import (
     OverlappingDeferredCopyEngine, ReportAfterForwardCopyEngine, copy_mode_for, make_copy_engine,
 )
-from vtoken.checker.faults import (
-    FAULT_DETECTED_BY, FAULT_KINDS, FAULTS, DoubleMap, DropCopy, EarlyRead, Fault, SharedBlock, StaleSlot, make_fault,
-)
+from vtoken.checker.faults import FAULTS, DoubleMap, DropCopy, EarlyRead, Fault, SharedBlock, StaleSlot, make_fault
 from vtoken.checker.hf import (
     TINY_MODEL_NAME, check_hf_scenario, check_on_model, load_check_model,
 )
 from vtoken.checker.observer import I2_EVERY_NUM_FORWARDS, CheckingObserver, check_plan_independently, run_checked, torch_threads
 from vtoken.checker.report import (
-    CHECK_UNITS, INVARIANT_NAMES, INVARIANTS, SYNTHETIC_KV_LAYOUT, CheckReport, GroupTotal, KVLayout, RunCheck, Tally,
-    Violation, report_to_json,
+    SYNTHETIC_KV_LAYOUT, CheckReport, GroupTotal, KVLayout, RunCheck, Tally, Violation, report_to_json,
 )
 from vtoken.checker.scenarios import (
-    EXECUTORS, HF_LIMITS, PRESSURE, SAMPLE_TRACES_DIR, TRACE_SUFFIXES, CheckOptions, Scenario,
-    TraceLimits, build_scenarios, bundled_sample_traces, default_limits, fuzz_scenario,
+    SAMPLE_TRACES_DIR, TRACE_SUFFIXES, CheckOptions, Scenario, build_scenarios, bundled_sample_traces, fuzz_scenario,
     pressure_num_blocks, scale_requests,
 )
 from vtoken.checker.snapshots import ModelKVSnapshots
+from vtoken.checker_names import (
+    CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, INVARIANT_NAMES, INVARIANTS, PRESSURE,
+    TraceLimits, default_limits,
+)
 from vtoken.engine.config import RunConfig
 from vtoken.engine.runtime import Runtime
 from vtoken.engine.sim import SimExecutor

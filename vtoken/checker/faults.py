@@ -32,15 +32,12 @@ from dataclasses import replace
 import numpy as np
 
 from vtoken.checker.copies import CopyEngineWrapper
+from vtoken.checker_names import FAULT_DETECTED_BY, FAULT_KINDS  # noqa: F401  (re-exported)
 from vtoken.engine.runtime import Runtime
 from vtoken.errors import ConfigError
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.reclaim import RelocationPlan
 from vtoken.kv.token_table import Moves, TokenTable
-
-FAULT_KINDS = ("drop-copy", "stale-slot", "double-map", "early-read", "shared-block")
-FAULT_DETECTED_BY = {"drop-copy": "I1", "stale-slot": "I3", "double-map": "I2", "early-read": "I3", "shared-block": "I4"}
-
 
 class Fault:
     """No fault: the real copy engine, planner and tables. Subclasses wrap one of them."""

@@ -7,25 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vtoken.checker.contents import KV_DTYPE, KV_HEAD_DIM, KV_NUM_HEADS, KV_NUM_LAYERS
-from vtoken.checker.faults import FAULT_DETECTED_BY
 from vtoken.checker.scenarios import CheckOptions
+from vtoken.checker_names import FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
 from vtoken.engine.config import RunConfig
-
-INVARIANTS = ("I1", "I2", "I3", "I4")
-INVARIANT_NAMES = {
-    "I1": "token conservation",
-    "I2": "unique mapping",
-    "I3": "pre-attention visibility",
-    "I4": "layout-aware planning",
-}
-# What one check of each invariant is, for the report.
-CHECK_UNITS = {
-    "I1": "completed relocations",
-    "I2": "scans of all tables and the pool",
-    "I3": "attention reads (one request in one forward)",
-    "I4": "plans before launch",
-}
-
 
 @dataclass(frozen=True)
 class KVLayout:

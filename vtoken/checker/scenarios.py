@@ -1,7 +1,8 @@
-"""What a check runs: the options (`CheckOptions`, `TraceLimits`) and the scenarios built from
-them (`build_scenarios`): every trace, cut down to the limits, x policy x reclaim mode on a
-block budget under pressure, plus seeded random draws (`fuzz_scenario`). The hf executor runs a
-real model, so its traces are cut down harder by default (`default_limits`)."""
+"""What a check runs: the options (`CheckOptions`, with `TraceLimits` from vtoken/checker_names.py)
+and the scenarios built from them (`build_scenarios`): every trace, cut down to the limits, x
+policy x reclaim mode on a block budget under pressure, plus seeded random draws
+(`fuzz_scenario`). The hf executor runs a real model, so its traces are cut down harder by
+default (`default_limits`, also in checker_names.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 import vtoken
-from vtoken.checker.faults import FAULT_KINDS
+from vtoken.checker_names import EXECUTORS, FAULT_KINDS, PRESSURE, TraceLimits
 from vtoken.engine.config import EvictionConfig, RunConfig
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
@@ -21,37 +22,8 @@ from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
 from vtoken.policies.base import Budget
 from vtoken.trace import Request, Trace
 
-EXECUTORS = ("sim", "hf")
 SAMPLE_TRACES_DIR = Path(vtoken.__file__).resolve().parent.parent / "sample_traces"
 TRACE_SUFFIXES = (".jsonl", ".csv", ".json")
-# Share of the peak blocks of the `concurrency` largest requests that the default budget gives:
-# below 1, so that the pool is under pressure (reclamation, preemption, block reuse).
-PRESSURE = 0.6
-
-
-@dataclass(frozen=True)
-class TraceLimits:
-    """How far traces are cut down so that a full check stays fast (None: no limit)."""
-
-    max_requests: int | None = 32
-    max_prompt_tokens: int | None = 4096
-    max_output_tokens: int | None = 256
-
-    def __post_init__(self) -> None:
-        for name in ("max_requests", "max_prompt_tokens", "max_output_tokens"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-
-
-# The hf executor runs a real model: every sample trace still, cut down harder. With the tiny
-# default model on one CPU core that is about 150 relocations in 5 s.
-HF_LIMITS = TraceLimits(max_requests=8, max_prompt_tokens=512, max_output_tokens=64)
-
-
-def default_limits(executor: str) -> TraceLimits:
-    """How far traces are cut down unless the options say otherwise."""
-    return HF_LIMITS if executor == "hf" else TraceLimits()
 
 
 @dataclass(frozen=True)
