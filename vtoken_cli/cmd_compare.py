@@ -45,6 +45,7 @@ def compare_command(
     concurrencies: Annotated[str, typer.Option(help="Concurrencies of the sweep and the frontier.")] = ",".join(map(str, DEFAULT_CONCURRENCIES)),
     reclaim_mode: Annotated[str, typer.Option(help=f"vToken planning mode: {', '.join(RECLAIM_MODES)}.")] = "hole-fill",
     theta_f: Annotated[float, typer.Option("--theta-f", help="Reclaim only when the waste ratio F is at least this.")] = 0.25,
+    reclaim_budget: Annotated[Optional[int], typer.Option(help="Tokens one reclamation round may move (default: no limit); bounds the relocation work of a single step.")] = None,
     eviction_interval: Annotated[int, typer.Option(help="Run the policy after prefill and every N generated tokens.")] = 32,
     sla_metric: Annotated[str, typer.Option(help="Latency the SLA is set on: e2e, ttft or tpot.")] = "e2e",
     sla_factor: Annotated[float, typer.Option(help="SLA = factor x naive-evict p95 at --sla-ref-concurrency.")] = 1.05,
@@ -74,7 +75,7 @@ def compare_command(
     config = build_run_config(
         model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=gpu_mem_util, block_size=block_size,
         policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
-        theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile,
+        theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile, reclaim_budget=reclaim_budget,
     )
     if open_loop:
         config = replace(config, concurrency=None)
@@ -120,7 +121,7 @@ def _hf_report(report: CompareReport, explain: bool) -> Group:
              f"model {hf.model} (transformers, {cfg.model.kv_bytes_per_token} KV bytes/token); "
              f"{cfg.num_blocks} blocks of {cfg.block_size} tokens",
              f"policy {cfg.eviction.policy}, {cfg.eviction.budget.describe()}, every {cfg.eviction.interval_tokens} tokens; "
-             f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}); {render.arrivals_phrase(cfg)}; seed {cfg.seed}"]
+             f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}{render.budget_phrase(cfg)}); {render.arrivals_phrase(cfg)}; seed {cfg.seed}"]
     lines += [f"note: {n}" for n in report.trace.notes]
     if hf.naive_vs_vtoken is not None:
         a = hf.naive_vs_vtoken

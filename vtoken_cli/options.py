@@ -38,6 +38,7 @@ def build_run_config(
     concurrency: int | None,
     seed: int,
     sim_profile: Path | None,
+    reclaim_budget: int | None = None,
 ) -> RunConfig:
     if block_size <= 0:
         raise ConfigError(f"--block-size must be > 0, got {block_size}")
@@ -54,7 +55,7 @@ def build_run_config(
         num_blocks=num_blocks,
         block_size=block_size,
         eviction=EvictionConfig(policy, Budget.parse(budget), eviction_interval),
-        reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f),
+        reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f, max_moves_per_round=reclaim_budget),
         concurrency=concurrency,
         seed=seed,
         sim=load_sim_profile(sim_profile) if sim_profile else SimProfile(),

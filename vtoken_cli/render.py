@@ -125,6 +125,11 @@ def arrivals_phrase(cfg) -> str:
     return "open loop (trace timestamps)" if cfg.concurrency is None else f"closed loop C={cfg.concurrency}"
 
 
+def budget_phrase(cfg) -> str:
+    budget = cfg.reclaim.max_moves_per_round
+    return "" if budget is None else f", at most {budget:,} tokens moved per round"
+
+
 def header_panel(report: CompareReport) -> Panel:
     cfg = report.config
     lines = [
@@ -132,7 +137,7 @@ def header_panel(report: CompareReport) -> Panel:
         f"model {cfg.model.name} ({cfg.model.kv_bytes_per_token} KV bytes/token) on {cfg.gpu.name}; "
         f"{cfg.num_blocks} blocks of {cfg.block_size} tokens",
         f"policy {cfg.eviction.policy}, {cfg.eviction.budget.describe()}, every {cfg.eviction.interval_tokens} tokens; "
-        f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}); {arrivals_phrase(cfg)}; seed {cfg.seed}"
+        f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}{budget_phrase(cfg)}); {arrivals_phrase(cfg)}; seed {cfg.seed}"
         + (f", {report.options.repeats} repeats (95% CI)" if report.options.repeats > 1 else ""),
     ]
     lines += [f"note: {n}" for n in report.trace.notes]
