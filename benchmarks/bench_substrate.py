@@ -374,30 +374,28 @@ def measure_moves(num_requests: int, context_tokens: int, num_steps: int) -> lis
 # ---- output --------------------------------------------------------------------------------
 
 
+def table(header: str, lines: list[str]) -> str:
+    return "\n".join([header, "-" * len(header), *lines])
+
+
 def format_growth(rows: list[GrowthRow]) -> str:
     header = f"{'requests':>8} {'context':>7} {'native us/step':>14} {'table us/step':>13} {'us/req/step':>11} {'x native':>8}"
-    lines = [header, "-" * len(header)]
-    lines += [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.native_us:>14.1f} {r.table_us:>13.1f} "
-              f"{r.table_us / r.num_requests:>11.2f} {r.ratio:>8.2f}" for r in rows]
-    return "\n".join(lines)
+    return table(header, [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.native_us:>14.1f} {r.table_us:>13.1f} "
+                          f"{r.table_us / r.num_requests:>11.2f} {r.ratio:>8.2f}" for r in rows])
 
 
 def format_evict(rows: list[EvictRow]) -> str:
     header = (f"{'requests':>8} {'context':>7} {'cadence':<10} {'steps':>5} {'growth':>7} {'evict':>7} {'reclaim':>8} {'slots':>7} "
               f"{'total':>7} {'evict+reclaim':>13} {'worst reclaim':>13} {'plans/step':>10} {'check_plan us':>13}")
-    lines = [header, "-" * len(header)]
-    lines += [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.cadence:<10} {r.num_steps:>5} {r.growth_us:>7.1f} {r.evict_us:>7.1f} "
-              f"{r.reclaim_us:>8.1f} {r.slots_us:>7.1f} {r.total_us:>7.1f} {r.bookkeeping_us:>13.1f} {r.max_reclaim_us:>13.1f} "
-              f"{r.plans_per_step:>10.2f} {r.check_plan_us_per_plan:>13.1f}" for r in rows]
-    return "\n".join(lines)
+    return table(header, [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.cadence:<10} {r.num_steps:>5} {r.growth_us:>7.1f} "
+                          f"{r.evict_us:>7.1f} {r.reclaim_us:>8.1f} {r.slots_us:>7.1f} {r.total_us:>7.1f} {r.bookkeeping_us:>13.1f} "
+                          f"{r.max_reclaim_us:>13.1f} {r.plans_per_step:>10.2f} {r.check_plan_us_per_plan:>13.1f}" for r in rows])
 
 
 def format_moves(rows: list[MovesRow]) -> str:
     header = f"{'pattern':<8} {'mode':<10} {'tokens moved':>12} {'blocks freed':>12} {'moved/freed':>11} {'freed by eviction':>17}"
-    lines = [header, "-" * len(header)]
-    lines += [f"{r.pattern:<8} {r.mode:<10} {r.num_tokens_moved:>12} {r.num_blocks_freed:>12} {r.tokens_per_freed_block:>11.2f} "
-              f"{r.num_blocks_freed_by_eviction:>17}" for r in rows]
-    return "\n".join(lines)
+    return table(header, [f"{r.pattern:<8} {r.mode:<10} {r.num_tokens_moved:>12} {r.num_blocks_freed:>12} "
+                          f"{r.tokens_per_freed_block:>11.2f} {r.num_blocks_freed_by_eviction:>17}" for r in rows])
 
 
 def format_targets(growth: list[GrowthRow], evicts: list[EvictRow]) -> str:

@@ -190,14 +190,9 @@ class BlockPool:
         outside = [b for b, d in pairs if not 0 <= live_counts.item(b) + d <= self.block_size]
         if outside:
             raise VTokenError(f"live count of blocks {outside} would leave [0, {self.block_size}]")
-        histogram, bin_of, is_le_half = self._histogram, self._bin_list, self._is_le_half_list
         for block_id, delta in pairs:
             old_count = live_counts.item(block_id)
-            new_count = old_count + delta
-            live_counts[block_id] = new_count
-            histogram[bin_of[old_count]] -= 1
-            histogram[bin_of[new_count]] += 1
-            self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
+            self._recount(block_id, old_count, old_count + delta)
             self.num_live_tokens += delta
 
     def _adjust_live_array(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
@@ -221,12 +216,7 @@ class BlockPool:
         new_count = old_count + delta
         if not 0 <= new_count <= self.block_size:
             raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
-        self._live_counts[block_id] = new_count
-        histogram, bin_of = self._histogram, self._bin_list
-        histogram[bin_of[old_count]] -= 1
-        histogram[bin_of[new_count]] += 1
-        is_le_half = self._is_le_half_list
-        self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
+        self._recount(block_id, old_count, new_count)
         self.num_live_tokens += delta
         return new_count
 
@@ -237,26 +227,24 @@ class BlockPool:
         new_count = old_count + num_tokens
         if not 0 <= new_count <= self.block_size or self.ref_counts.item(block_id) <= 0:
             raise VTokenError(f"{num_tokens} appended tokens do not fit block {block_id} ({old_count} live)")
-        self._live_counts[block_id] = new_count
-        histogram, bin_of = self._histogram, self._bin_list
-        histogram[bin_of[old_count]] -= 1
-        histogram[bin_of[new_count]] += 1
-        is_le_half = self._is_le_half_list
-        self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
+        self._recount(block_id, old_count, new_count)
 
     def remove_live_token(self, block_id: int) -> int:
         """One live token of an allocated block died: `add_live(block_id, -1)` for a caller
         that holds the block and knew the token live (a token table), so nothing to check.
         Returns the block's new live count."""
         old_count = self._live_counts.item(block_id)
-        self._live_counts[block_id] = old_count - 1
-        histogram, bin_of = self._histogram, self._bin_list
-        histogram[bin_of[old_count]] -= 1
-        histogram[bin_of[old_count - 1]] += 1
-        is_le_half = self._is_le_half_list
-        self._num_blocks_le_half += is_le_half[old_count - 1] - is_le_half[old_count]
+        self._recount(block_id, old_count, old_count - 1)
         self.num_live_tokens -= 1
         return old_count - 1
+
+    def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
+        """Set one block's live count; its histogram bin and the <= 50% count follow."""
+        self._live_counts[block_id] = new_count
+        histogram, bin_of, is_le_half = self._histogram, self._bin_list, self._is_le_half_list
+        histogram[bin_of[old_count]] -= 1
+        histogram[bin_of[new_count]] += 1
+        self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
 
     def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> None:
         old_counts = self._live_counts[block_ids]
