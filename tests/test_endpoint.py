@@ -89,11 +89,11 @@ def test_scrape_reads_the_real_vllm_032_scrape() -> None:
     assert config.labels["num_cpu_blocks"] == "None"
     assert config.labels["engine"] == "0"
     assert len(config.labels) == 37
-    assert state.kv_cache_usage == 0.0
-    assert state.num_requests_running == 0.0
-    assert state.num_requests_waiting == 0.0
-    assert state.num_preemptions == 0.0
-    assert state.vtoken_metrics == {}
+    assert state.metrics.kv_cache_usage == 0.0
+    assert state.metrics.num_requests_running == 0.0
+    assert state.metrics.num_requests_waiting == 0.0
+    assert state.metrics.num_preemptions == 0.0
+    assert state.metrics.vtoken_metrics == {}
     assert state.notes == ()
     assert [r.path for r in server.requests] == ["/metrics", "/v1/models"]
 
@@ -116,7 +116,7 @@ def test_scrape_reads_load_values_from_the_body() -> None:
     with serve(vllm_routes(text)) as server:
         state = scrape(server.url, timeout_s=2.0)
 
-    assert (state.kv_cache_usage, state.num_requests_running, state.num_preemptions) == (
+    assert (state.metrics.kv_cache_usage, state.metrics.num_requests_running, state.metrics.num_preemptions) == (
         0.375,
         3.0,
         5.0,
@@ -142,7 +142,7 @@ def test_vtoken_metrics_are_picked_up_when_the_server_has_them() -> None:
     with serve(vllm_routes(FIXTURE_TEXT + extra)) as server:
         state = scrape(server.url, timeout_s=2.0)
 
-    assert state.vtoken_metrics == {
+    assert state.metrics.vtoken_metrics == {
         "vtoken:reclaimed_blocks_total": 12.0,
         'vtoken_waste_ratio{policy="h2o"}': 0.25,
     }

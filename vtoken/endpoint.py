@@ -75,15 +75,11 @@ class LiveState:
     """What `vtoken audit URL` knows about a running server after one scrape."""
 
     url: str  # base URL of the server, credentials removed
-    model_name: str | None
+    model_name: str | None  # from /v1/models (else the metrics' model_name label)
     max_model_len: int | None  # tokens
     cache_config: CacheConfig
-    kv_cache_usage: float | None
-    num_requests_running: float | None
-    num_requests_waiting: float | None
-    num_preemptions: float | None
-    vtoken_metrics: dict[str, float]
-    notes: tuple[str, ...]
+    metrics: ServerMetrics
+    notes: tuple[str, ...]  # the metrics' notes and the scrape's own
 
 
 @dataclass(frozen=True)
@@ -129,11 +125,7 @@ def scrape(url: str, timeout_s: float = 5.0) -> LiveState:
         model_name=model_name,
         max_model_len=max_model_len,
         cache_config=cache_config,
-        kv_cache_usage=metrics.kv_cache_usage,
-        num_requests_running=metrics.num_requests_running,
-        num_requests_waiting=metrics.num_requests_waiting,
-        num_preemptions=metrics.num_preemptions,
-        vtoken_metrics=metrics.vtoken_metrics,
+        metrics=metrics,
         notes=notes,
     )
 

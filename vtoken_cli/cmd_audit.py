@@ -121,14 +121,14 @@ def _live_panel(report: AuditReport) -> Panel:
         f"cache       block size {_show(cache.block_size)}, {_show(cache.num_gpu_blocks)} GPU blocks, dtype "
         f"{_show(cache.cache_dtype)}, prefix caching {_show(cache.enable_prefix_caching)}, "
         f"gpu_memory_utilization {_show(cache.gpu_memory_utilization)}",
-        f"load        KV usage {_percent(live.kv_cache_usage)}, {_show(live.num_requests_running)} running, "
-        f"{_show(live.num_requests_waiting)} waiting, {_show(live.num_preemptions)} preemptions so far",
+        f"load        KV usage {_percent(live.metrics.kv_cache_usage)}, {_show(live.metrics.num_requests_running)} running, "
+        f"{_show(live.metrics.num_requests_waiting)} waiting, {_show(live.metrics.num_preemptions)} preemptions so far",
     ]
     lines += [f"note        {n}" for n in live.notes]
     parts: list[RenderableType] = [Text("\n".join(lines))]
     if report.is_waste_measured:
         metrics = Table("vtoken metric", "value", title_justify="left")
-        for name, value in sorted(live.vtoken_metrics.items()):
+        for name, value in sorted(live.metrics.vtoken_metrics.items()):
             metrics.add_row(name, f"{value:g}")
         parts += [Text("The server runs vToken: its waste is measured, not simulated.", style="bold green"), metrics]
     return Panel(Group(*parts), title="Live server", title_align="left")

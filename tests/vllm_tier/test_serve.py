@@ -92,7 +92,7 @@ def test_served_requests_show_up_in_vtoken_metrics_and_the_audit(server, tiny_mo
     assert all(a["usage"]["completion_tokens"] == 60 for a in answers)
 
     live = scrape(server)
-    metrics = live.vtoken_metrics
+    metrics = live.metrics.vtoken_metrics
     assert metrics["vtoken_tokens_evicted_total"] > 0
     assert metrics["vtoken_eviction_events_total"] >= 3  # every request after its prefill at least
     assert metrics["vtoken_invariant_violations_total"] == 0

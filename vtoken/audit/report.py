@@ -47,7 +47,7 @@ class AuditReport:
     @property
     def is_waste_measured(self) -> bool:
         """The server exports vToken's own metrics: its waste is measured there, not simulated."""
-        return self.live is not None and bool(self.live.vtoken_metrics)
+        return self.live is not None and bool(self.live.metrics.vtoken_metrics)
 
 
 # ---- the verdict ---------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveS
         best = min(policies, key=lambda p: (p.evicted.trapped_bytes, p.policy))
         text += (f" Least affected: {policy_title(best.policy)} ({_bytes_phrase(best.evicted.trapped_bytes)} "
                  f"trapped, F = {best.evicted.waste_ratio:.2f}).")
-    if live is not None and live.vtoken_metrics:
+    if live is not None and live.metrics.vtoken_metrics:
         text += " The server runs vToken: its waste is measured there, not simulated (see its vtoken metrics)."
     return text
 
@@ -158,9 +158,9 @@ def _live_json(live: LiveState | None) -> dict | None:
                          "cache_dtype": cache.cache_dtype, "enable_prefix_caching": cache.enable_prefix_caching,
                          "gpu_memory_utilization": cache.gpu_memory_utilization,
                          "kv_cache_memory_bytes": cache.kv_cache_memory_bytes},
-        "kv_cache_usage": live.kv_cache_usage, "num_requests_running": live.num_requests_running,
-        "num_requests_waiting": live.num_requests_waiting, "num_preemptions": live.num_preemptions,
-        "vtoken_metrics": dict(live.vtoken_metrics), "notes": list(live.notes),
+        "kv_cache_usage": live.metrics.kv_cache_usage, "num_requests_running": live.metrics.num_requests_running,
+        "num_requests_waiting": live.metrics.num_requests_waiting, "num_preemptions": live.metrics.num_preemptions,
+        "vtoken_metrics": dict(live.metrics.vtoken_metrics), "notes": list(live.notes),
     }
 
 
