@@ -16,12 +16,14 @@ Eviction only clears live bits. Relocation (`apply_moves`) repoints live tokens 
 slots; the reclaimer decides the moves, the copy engine moves the data first.
 
 Cost model. A decode step appends one token with Python integers and one array store: the
-tail's live count and the reverse map are brought up to date lazily, on the table's next other
-operation or when the pool is read (`BlockPool.live_counts`, `waste_ratio`, ...), so every read
-sees exact numbers. Until the first eviction every token is live, and the slot list (Eq. 2) is
-the per-token slot array itself; after it, a separate slot cache is kept, with one entry removed
-per evicted token (a memmove) and a rebuild only after a batch eviction or a relocation.
-Reclamation reads `token_at`, so planning and applying cost O(blocks touched x S), not O(L).
+pool's total live count is bumped at once, the tail block's count and the reverse map catch up
+lazily, on the table's next other operation or when the pool is read (`BlockPool.live_counts`,
+`token_at`, the histogram), so every read sees exact numbers. Until the first eviction every
+token is live, and the slot list (Eq. 2) is the per-token slot array itself; after it, a
+separate slot cache is kept: an evicted token's entry goes by shifting the shorter side of the
+cache by one (O(L) memory traffic, no allocation), and a batch eviction or a relocation makes
+the next `slots()` rebuild it. Reclamation reads `token_at`, so planning and applying cost
+O(blocks touched x S), not O(L). A `slots()` result is a view, valid until the table changes.
 """
 
 from __future__ import annotations
