@@ -120,7 +120,24 @@ def test_sync_with_the_wrong_number_of_blocks_or_a_shrinking_length_raises_and_c
         table.sync_new_tokens(np.array([7]), 7)
     with pytest.raises(VTokenError, match="length went back from 6 to 5"):
         table.sync_new_tokens(np.zeros(0, dtype=np.int64), 5)
+    with pytest.raises(VTokenError, match="block 9 is not a freshly allocated block"):
+        table.sync_new_tokens(np.array([9]), 9)  # never allocated
+    with pytest.raises(VTokenError, match="block 0 is not a freshly allocated block"):
+        table.sync_new_tokens(np.array([0]), 9)  # its own first block
     assert_unchanged(before, table)
+
+
+def test_a_block_that_is_not_fresh_is_refused_and_nothing_changes() -> None:
+    pool = make_pool()
+    table, other = make_table(pool, 8), make_table(pool, 2, req_id=1)  # blocks 0, 1 and 2
+    before = state(table)
+    for block_id in (5, 1):  # never allocated; its own (full) tail
+        with pytest.raises(VTokenError, match=f"block {block_id} is not a freshly allocated block"):
+            table.sync_new_tokens(np.array([block_id]), 9)  # a decode step: O(1) checks
+    with pytest.raises(VTokenError, match="block 2 is not a freshly allocated block"):
+        table.sync_new_tokens(np.array([2, 3]), 13)  # another request's: the general path sees its live tokens
+    assert_unchanged(before, table)
+    assert other.num_tokens == 2
 
 
 def test_sync_of_no_new_tokens_changes_nothing() -> None:

@@ -292,6 +292,7 @@ class TokenTable:
             )
         if num_new_tokens == 0:
             return
+        self._check_fresh(new_block_ids)
         self.flush()
         self._reserve(num_tokens)
         num_in_tail = min(num_new_tokens, self.num_free_tail_slots())
@@ -301,6 +302,7 @@ class TokenTable:
         if num_in_tail:
             tail_first = self._tail_slot + self.tail_num_written
             new_slots = np.concatenate((np.arange(tail_first, tail_first + num_in_tail), new_slots))
+        self.pool.adjust_live(*_sum_by_block(new_slots // self.block_size, np.ones(new_slots.size, np.int64)))
         self._slot[token_id:num_tokens] = new_slots
         self._token_at[new_slots] = np.arange(token_id, num_tokens)
         if self._num_dead and self._is_cache_valid:
@@ -310,11 +312,25 @@ class TokenTable:
         last_slot = int(new_slots[-1])
         self._tail_slot = last_slot - last_slot % self.block_size
         self.tail_num_written = last_slot % self.block_size + 1
-        self.pool.adjust_live(*_sum_by_block(new_slots // self.block_size, np.ones(new_slots.size, np.int64)))
         self.layout_version += 1
+
+    def _check_fresh(self, block_ids: np.ndarray) -> None:
+        """New blocks must be allocated to this request alone, empty, distinct and not held yet."""
+        if block_ids.size == 0:
+            return
+        pool = self.pool
+        if block_ids.min() < 0 or block_ids.max() >= pool.num_blocks or not _is_distinct(np.sort(block_ids)):
+            raise VTokenError(f"request {self.req_id}: new blocks {block_ids.tolist()} are out of range or repeated")
+        stale = (pool.ref_counts[block_ids] != 1) | (pool.live_counts[block_ids] != 0) | (_positions_in(self.held_block_ids(), block_ids) >= 0)
+        if stale.any():
+            raise VTokenError(f"request {self.req_id}: block {int(block_ids[stale][0])} is not a freshly allocated block")
 
     def _open_tail(self, block_id: int) -> None:
         """A fresh block becomes the tail (the decode step's case of `_push_held`)."""
+        pool = self.pool
+        is_tail = self._num_held and block_id * self.block_size == self._tail_slot
+        if is_tail or not 0 <= block_id < pool.num_blocks or pool.ref_counts.item(block_id) != 1:
+            raise VTokenError(f"request {self.req_id}: block {block_id} is not a freshly allocated block")
         if self._num_pending:
             self.flush()
         if self._num_held == self._held.size:
@@ -364,12 +380,12 @@ class TokenTable:
         self._check_evictable(token_ids)
         self.flush()
         slots = self._slot[token_ids]
+        blocks, deltas = _sum_by_block(slots // self.block_size, np.full(slots.size, -1, np.int64))
+        self.pool.adjust_live(blocks, deltas)
         self._token_at[slots] = -1
         self._live[token_ids] = False
         self._num_dead += token_ids.size
         self._is_cache_valid = False
-        blocks, deltas = _sum_by_block(slots // self.block_size, np.full(slots.size, -1, np.int64))
-        self.pool.adjust_live(blocks, deltas)
         self.layout_version += 1
         return blocks[self.pool.live_counts[blocks] == 0]
 
@@ -451,16 +467,16 @@ class TokenTable:
         self._check_moves(moves)
         ids = moves.token_ids
         src_slots, dst_slots = moves.src_slots(self.block_size), moves.dst_slots(self.block_size)
-        self._slot[ids] = dst_slots
         live = self._live[ids]
-        if np.any(live):
-            self._token_at[src_slots[live]] = -1  # every source first: a destination may be another's source
-            self._token_at[dst_slots[live]] = ids[live]
+        if live.any():
             num_live = int(np.count_nonzero(live))
             blocks, deltas = _sum_by_block(np.concatenate((moves.src_block_ids[live], moves.dst_block_ids[live])),
                                            np.concatenate((np.full(num_live, -1, np.int64), np.ones(num_live, np.int64))))
-            self.pool.adjust_live(blocks, deltas)
+            self.pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
+            self._token_at[src_slots[live]] = -1  # every source first: a destination may be another's source
+            self._token_at[dst_slots[live]] = ids[live]
             self._is_cache_valid = False
+        self._slot[ids] = dst_slots
         self.layout_version += 1
 
     def _check_moves(self, moves: Moves) -> None:
@@ -577,7 +593,9 @@ def _sum_by_block(block_ids: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray
 
 def _positions_in(held: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
     """Index in `held` of each of `block_ids`, -1 where absent."""
+    if held.size == 0:
+        return np.full(block_ids.size, -1, dtype=np.int64)
     order = np.argsort(held, kind="stable")
     idx = np.minimum(np.searchsorted(held[order], block_ids), max(held.size - 1, 0))
-    found = held[order][idx] == block_ids if held.size else np.zeros(block_ids.size, dtype=bool)
+    found = held[order][idx] == block_ids
     return np.where(found, order[idx], -1)
