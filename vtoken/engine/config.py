@@ -35,8 +35,23 @@ class EvictionConfig:
             raise ConfigError(f"eviction interval must be > 0 tokens, got {self.interval_tokens}")
 
 
+class VariantRole:
+    """What a variant does: `naive-evict` and `vtoken` evict, only `vtoken` reclaims. Mixed into
+    every configuration that names a `variant`."""
+
+    variant: str
+
+    @property
+    def evicts(self) -> bool:
+        return self.variant != "native"
+
+    @property
+    def reclaims(self) -> bool:
+        return self.variant == "vtoken"
+
+
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(VariantRole):
     variant: str
     model: ModelSpec
     gpu: GpuSpec
@@ -62,11 +77,3 @@ class RunConfig:
             raise ConfigError(f"concurrency must be > 0, got {self.concurrency}")
         if self.max_fused_steps <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_fused_steps and max_num_seqs must be > 0")
-
-    @property
-    def evicts(self) -> bool:
-        return self.variant != "native"
-
-    @property
-    def reclaims(self) -> bool:
-        return self.variant == "vtoken"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vtoken.engine.config import VARIANTS, EvictionConfig
+from vtoken.engine.config import VARIANTS, EvictionConfig, VariantRole
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.policies.base import Budget
@@ -29,7 +29,7 @@ _KNOWN_KEYS = frozenset({
 
 
 @dataclass(frozen=True)
-class VllmSettings:
+class VllmSettings(VariantRole):
     """What the scheduler and the model runner need to agree on.
 
     `reclaim.theta_f` and `reclaim.check_interval_steps` gate when the vtoken variant hands
@@ -48,14 +48,6 @@ class VllmSettings:
         if self.variant not in VARIANTS:
             raise ConfigError(f"additional_config.vtoken.variant: unknown variant '{self.variant}'; "
                               f"choose one of: {', '.join(VARIANTS)}")
-
-    @property
-    def evicts(self) -> bool:
-        return self.variant != "native"
-
-    @property
-    def reclaims(self) -> bool:
-        return self.variant == "vtoken"
 
     def to_dict(self) -> dict[str, Any]:
         """The `additional_config["vtoken"]` dictionary that builds these settings again."""
