@@ -530,3 +530,17 @@ def test_set_tail_cursor_after_packing_and_its_refusals() -> None:
     assert table.token_slots[7] == 1 * S + 2  # the next token lands right after the live ones
     with pytest.raises(VTokenError, match="cannot set the tail cursor to 5"):
         table.set_tail_cursor(5)
+
+
+def test_slot_cache_drops_entries_near_either_end_and_grows_at_the_back() -> None:
+    from vtoken.kv.slot_cache import SlotCache
+
+    cache, live = SlotCache(), np.ones(10, dtype=bool)
+    cache.reset(10)[:] = np.arange(100, 110)
+    for token_id in (1, 8, 0, 9):  # front, back, front, back: the shorter side shifts
+        cache.remove_token(live, token_id, 10)
+        live[token_id] = False
+    assert cache.slots().tolist() == [102, 103, 104, 105, 106, 107]
+    cache.append(np.arange(200, 300))  # past the buffer's room: a new buffer, same entries
+    cache.append_one(7)
+    assert cache.slots().tolist() == [102, 103, 104, 105, 106, 107, *range(200, 300), 7]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import ConfigError, VTokenError
+from vtoken.kv.arrays import block_slots, is_distinct
 
 NUM_HISTOGRAM_BINS = 10
 
@@ -100,7 +101,7 @@ class BlockPool:
     def share(self, block_ids: np.ndarray) -> None:
         """Add a reference to allocated blocks (another request reuses a common prefix)."""
         block_ids = self._checked_ids(block_ids, "share")
-        if np.unique(block_ids).size != block_ids.size:
+        if not is_distinct(block_ids):
             raise VTokenError(f"share() got repeated block ids {block_ids.tolist()}")
         if np.any(self.ref_counts[block_ids] <= 0):
             raise VTokenError(f"cannot share free blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
@@ -122,7 +123,7 @@ class BlockPool:
         block_ids = self._checked_ids(block_ids, "free")
         if (self.ref_counts[block_ids] <= 0).any():
             raise VTokenError(f"double free of blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
-        if not (block_ids[1:] > block_ids[:-1]).all() and np.unique(block_ids).size != block_ids.size:
+        if not is_distinct(block_ids):
             raise VTokenError(f"free() got repeated block ids {block_ids.tolist()}")
         self.ref_counts[block_ids] -= 1
         released = block_ids[self.ref_counts[block_ids] == 0]
@@ -131,7 +132,7 @@ class BlockPool:
         with_live = released[self._live_counts[released] > 0]  # usually none: the owner emptied them
         if with_live.size:
             self._set_live(with_live, np.zeros(with_live.size, dtype=np.int32))
-        self._token_at[(released[:, None] * self.block_size + np.arange(self.block_size)).ravel()] = -1
+        self._token_at[block_slots(released, self.block_size)] = -1
         self._histogram[0] -= released.size
         self._histogram[NUM_HISTOGRAM_BINS] += released.size
         self._num_blocks_le_half -= released.size

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtoken.errors import ConfigError
+from vtoken.kv.arrays import block_slots
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.token_table import Moves, TokenTable
 
@@ -205,19 +206,10 @@ def plan_ordered(table: TokenTable, max_src_blocks: int, pool: BlockPool, num_ds
     return RelocationPlan(table.req_id, "ordered", moves, np.sort(src_block_ids), dst_new_block_ids, table.layout_version)
 
 
-def _slots_of(block_ids: np.ndarray, block_size: int) -> np.ndarray:
-    """Every slot of `block_ids`, block by block, offsets ascending."""
-    return (block_ids[:, None] * block_size + np.arange(block_size)).ravel()
-
-
 def _live_tokens_in(table: TokenTable, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Live tokens of `table` stored in `block_ids`, in logical order, with their slots:
-    O(blocks x S) through the pool's reverse map."""
-    slots = _slots_of(block_ids, table.block_size)
-    token_ids = table.pool.token_at[slots]
-    inside = token_ids >= 0
-    order = np.argsort(token_ids[inside], kind="stable")
-    token_ids, slots = token_ids[inside][order], slots[inside][order]
+    """Live tokens of `table` stored in `block_ids`, in logical order, with their slots."""
+    token_ids = table.live_ids_in(block_ids)
+    slots = table.token_slots[token_ids]
     return token_ids, slots // table.block_size, slots % table.block_size
 
 
@@ -228,6 +220,6 @@ def _holes(table: TokenTable, block_ids: np.ndarray, num_holes: int) -> tuple[np
     num_free = table.block_size - table.pool.live_counts[block_ids]
     num_leading = int(np.searchsorted(np.cumsum(num_free), num_holes)) + 1
     block_ids = block_ids[:num_leading][num_free[:num_leading] > 0]
-    slots = _slots_of(block_ids, table.block_size)
+    slots = block_slots(block_ids, table.block_size)
     holes = slots[table.pool.token_at[slots] < 0][:num_holes]
     return holes // table.block_size, holes % table.block_size

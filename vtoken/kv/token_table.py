@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtoken.errors import VTokenError
+from vtoken.kv.arrays import block_slots, is_distinct, positions_in, sum_by_block
 from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.slot_cache import SlotCache
 
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
@@ -83,14 +85,7 @@ class TokenTable:
         # the pool: the last _num_pending tokens, at the cursor's last _num_pending offsets
         self._num_pending = 0
         self._is_deferred = False  # listed with the pool, which calls flush() before its next read
-        # the slot cache, used once a token is dead: _cache[_cache_start:][:_num_cached] while
-        # _is_cache_valid; an eviction shifts the shorter side by one, through a memoryview
-        # (a memmove either way, where numpy would copy overlapping slices through a buffer)
-        self._cache = np.zeros(0, dtype=np.int64)
-        self._cache_view = memoryview(self._cache)
-        self._cache_start = 0
-        self._num_cached = 0
-        self._is_cache_valid = False
+        self._cache = SlotCache()  # the slot list once a token is dead
 
     # ---- read-only views ---------------------------------------------------------------------
 
@@ -144,29 +139,13 @@ class TokenTable:
         """
         if not self._num_dead:
             return self._slot[: self.num_tokens]
-        if not self._is_cache_valid:
+        if not self._cache.is_valid:
             self._rebuild_slot_cache()
-        return self._cache[self._cache_start : self._cache_start + self._num_cached]
+        return self._cache.slots()
 
     def _rebuild_slot_cache(self) -> None:
         live_slots = self._slot[: self.num_tokens][self._live[: self.num_tokens]]
-        self._new_cache(live_slots.size)[:] = live_slots
-
-    def _new_cache(self, num_slots: int) -> np.ndarray:
-        """A fresh cache buffer with room to grow; returns the part the caller fills."""
-        self._cache = np.empty(num_slots + num_slots // 4 + 64, dtype=np.int64)
-        self._cache_view = memoryview(self._cache)
-        self._cache_start, self._num_cached, self._is_cache_valid = 0, num_slots, True
-        return self._cache[:num_slots]
-
-    def _append_to_cache(self, new_slots: np.ndarray) -> None:
-        start, num_cached = self._cache_start, self._num_cached
-        if start + num_cached + new_slots.size > self._cache.size:
-            cached = self._cache[start : start + num_cached]
-            self._new_cache(num_cached + new_slots.size)[:num_cached] = cached
-            self._num_cached, start = num_cached, 0
-        self._cache[start + num_cached : start + num_cached + new_slots.size] = new_slots
-        self._num_cached = num_cached + new_slots.size
+        self._cache.reset(live_slots.size)[:] = live_slots
 
     def max_reclaimable_blocks(self) -> int:
         """An upper bound, in O(1), of the blocks a perfect packing of the relocatable live
@@ -226,7 +205,7 @@ class TokenTable:
             return
         self._push_held(block_ids)
         self._reserve(num_prefix_tokens)
-        self._slot[:num_prefix_tokens] = (block_ids[:, None] * self.block_size + np.arange(self.block_size)).ravel()
+        self._slot[:num_prefix_tokens] = block_slots(block_ids, self.block_size)
         self.num_tokens = num_prefix_tokens
         self.tail_num_written = self.block_size
         self.num_pinned_tokens = num_prefix_tokens
@@ -265,13 +244,8 @@ class TokenTable:
                     self._reserve(token_id + 1)
                 slot = self._tail_slot + cursor
                 self._slot[token_id] = slot
-                if self._num_dead and self._is_cache_valid:
-                    end = self._cache_start + self._num_cached
-                    if end == self._cache.size:
-                        self._append_to_cache(np.array([slot]))
-                    else:
-                        self._cache[end] = slot
-                        self._num_cached += 1
+                if self._num_dead and self._cache.is_valid:
+                    self._cache.append_one(slot)
                 pool = self.pool
                 pool.num_live_tokens += 1
                 if not self._is_deferred:
@@ -302,11 +276,11 @@ class TokenTable:
         if num_in_tail:
             tail_first = self._tail_slot + self.tail_num_written
             new_slots = np.concatenate((np.arange(tail_first, tail_first + num_in_tail), new_slots))
-        self.pool.adjust_live(*_sum_by_block(new_slots // self.block_size, np.ones(new_slots.size, np.int64)))
+        self.pool.adjust_live(*sum_by_block(new_slots // self.block_size, np.ones(new_slots.size, np.int64)))
         self._slot[token_id:num_tokens] = new_slots
         self._token_at[new_slots] = np.arange(token_id, num_tokens)
-        if self._num_dead and self._is_cache_valid:
-            self._append_to_cache(new_slots)
+        if self._num_dead and self._cache.is_valid:
+            self._cache.append(new_slots)
         self._push_held(new_block_ids)
         self.num_tokens = num_tokens
         last_slot = int(new_slots[-1])
@@ -319,9 +293,9 @@ class TokenTable:
         if block_ids.size == 0:
             return
         pool = self.pool
-        if block_ids.min() < 0 or block_ids.max() >= pool.num_blocks or not _is_distinct(np.sort(block_ids)):
+        if block_ids.min() < 0 or block_ids.max() >= pool.num_blocks or not is_distinct(np.sort(block_ids)):
             raise VTokenError(f"request {self.req_id}: new blocks {block_ids.tolist()} are out of range or repeated")
-        stale = (pool.ref_counts[block_ids] != 1) | (pool.live_counts[block_ids] != 0) | (_positions_in(self.held_block_ids(), block_ids) >= 0)
+        stale = (pool.ref_counts[block_ids] != 1) | (pool.live_counts[block_ids] != 0) | (positions_in(self.held_block_ids(), block_ids) >= 0)
         if stale.any():
             raise VTokenError(f"request {self.req_id}: block {int(block_ids[stale][0])} is not a freshly allocated block")
 
@@ -380,12 +354,12 @@ class TokenTable:
         self._check_evictable(token_ids)
         self.flush()
         slots = self._slot[token_ids]
-        blocks, deltas = _sum_by_block(slots // self.block_size, np.full(slots.size, -1, np.int64))
+        blocks, deltas = sum_by_block(slots // self.block_size, np.full(slots.size, -1, np.int64))
         self.pool.adjust_live(blocks, deltas)
         self._token_at[slots] = -1
         self._live[token_ids] = False
         self._num_dead += token_ids.size
-        self._is_cache_valid = False
+        self._cache.is_valid = False
         self.layout_version += 1
         return blocks[self.pool.live_counts[blocks] == 0]
 
@@ -404,19 +378,11 @@ class TokenTable:
         self._token_at[slot] = -1
         if not self._num_dead:  # the first dead token: the cache starts as every slot but this one
             num_tokens = self.num_tokens
-            cache = self._new_cache(num_tokens - 1)
+            cache = self._cache.reset(num_tokens - 1)
             cache[:token_id] = self._slot[:token_id]
             cache[token_id:] = self._slot[token_id + 1 : num_tokens]
-        elif self._is_cache_valid:  # drop its entry: shift the side before or after it by one
-            num_tokens, num_cached, start, view = self.num_tokens, self._num_cached, self._cache_start, self._cache_view
-            if 2 * token_id < num_tokens:  # near the front: live tokens before it move up one
-                idx = start + np.count_nonzero(live[:token_id])
-                view[start + 1 : idx + 1] = view[start:idx]
-                self._cache_start = start + 1
-            else:  # near the back: live tokens after it move down one
-                idx = start + num_cached - 1 - np.count_nonzero(live[token_id + 1 : num_tokens])
-                view[idx : start + num_cached - 1] = view[idx + 1 : start + num_cached]
-            self._num_cached = num_cached - 1
+        elif self._cache.is_valid:
+            self._cache.remove_token(live, token_id, self.num_tokens)
         live[token_id] = False
         self._num_dead += 1
         self.layout_version += 1
@@ -470,12 +436,12 @@ class TokenTable:
         live = self._live[ids]
         if live.any():
             num_live = int(np.count_nonzero(live))
-            blocks, deltas = _sum_by_block(np.concatenate((moves.src_block_ids[live], moves.dst_block_ids[live])),
+            blocks, deltas = sum_by_block(np.concatenate((moves.src_block_ids[live], moves.dst_block_ids[live])),
                                            np.concatenate((np.full(num_live, -1, np.int64), np.ones(num_live, np.int64))))
             self.pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
             self._token_at[src_slots[live]] = -1  # every source first: a destination may be another's source
             self._token_at[dst_slots[live]] = ids[live]
-            self._is_cache_valid = False
+            self._cache.is_valid = False
         self._slot[ids] = dst_slots
         self.layout_version += 1
 
@@ -483,14 +449,14 @@ class TokenTable:
         ids = moves.token_ids
         if not ids.size:
             return
-        if ids.min() < 0 or ids.max() >= self.num_tokens or not _is_distinct(ids):
+        if ids.min() < 0 or ids.max() >= self.num_tokens or not is_distinct(ids):
             raise VTokenError(f"request {self.req_id}: moves name unknown or repeated tokens")
         stale = self._slot[ids] != moves.src_slots(self.block_size)
         if stale.any():
             token_id = int(ids[stale][0])
             raise VTokenError(f"request {self.req_id}: move of token {token_id} names a source it does not occupy")
         dst_block_ids = moves.dst_block_ids
-        held = _positions_in(self.held_block_ids(), dst_block_ids) >= 0
+        held = positions_in(self.held_block_ids(), dst_block_ids) >= 0
         if not held.all():
             raise VTokenError(f"request {self.req_id}: move into block {int(dst_block_ids[~held][0])} it does not hold")
         # a destination is taken when a live token that does not move away sits there
@@ -500,7 +466,7 @@ class TokenTable:
         if occupied.any():
             moving = set(ids[self._live[ids]].tolist())
             occupied[occupied] = [token_id not in moving for token_id in occupant[occupied].tolist()]
-        if occupied.any() or not _is_distinct(dst_slots):
+        if occupied.any() or not is_distinct(dst_slots):
             slot = int(dst_slots[occupied][0]) if occupied.any() else int(dst_slots[0])
             raise VTokenError(f"request {self.req_id}: move onto occupied slot {slot} (block {slot // self.block_size}, offset {slot % self.block_size})")
 
@@ -512,14 +478,14 @@ class TokenTable:
         released = np.asarray(block_ids, dtype=np.int64).ravel()
         if released.size == 0:
             return
-        if not _is_distinct(released):
+        if not is_distinct(released):
             released = np.unique(released)
         self.flush()
         held = self.held_block_ids()
-        positions = _positions_in(held, released)
+        positions = positions_in(held, released)
         if np.any(positions < 0):
             raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released[positions < 0].tolist())}")
-        if self._live_ids_in(released).size:
+        if self.live_ids_in(released).size:
             raise VTokenError(f"request {self.req_id}: releasing blocks that still hold live tokens")
         tail_released = bool(np.any(positions == self._num_held - 1))
         kept = np.delete(held, positions)
@@ -542,11 +508,10 @@ class TokenTable:
         self.tail_num_written = num_written
         self.layout_version += 1
 
-    def _live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
+    def live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
         """Live tokens stored in `block_ids`, in logical order, from the pool's reverse map."""
         self.flush()
-        slots = (np.asarray(block_ids, dtype=np.int64)[:, None] * self.block_size + np.arange(self.block_size)).ravel()
-        token_ids = self._token_at[slots]
+        token_ids = self._token_at[block_slots(block_ids, self.block_size)]
         return np.sort(token_ids[token_ids >= 0])
 
     def _cursor_after_last_live(self) -> int:
@@ -562,40 +527,10 @@ class TokenTable:
         self._num_held = 0
         self._live[: self.num_tokens] = False
         self._num_dead = self.num_tokens
-        self._is_cache_valid = False
+        self._cache.is_valid = False
         self.num_pinned_tokens = 0  # nothing held, nothing pinned
         self.tail_num_written = 0
         self._tail_slot = 0
         self.layout_version += 1
         return block_ids
 
-
-def _is_distinct(values: np.ndarray) -> bool:
-    """No value repeats (cheap when `values` ascends, as the planners' arrays do)."""
-    if values.size < 2 or (values[1:] > values[:-1]).all():
-        return True
-    return len(set(values.tolist())) == values.size
-
-
-def _sum_by_block(block_ids: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct blocks and the sum of their deltas (a dict for the usual few dozen entries)."""
-    if block_ids.size <= 64:
-        sums: dict[int, int] = {}
-        for block_id, delta in zip(block_ids.tolist(), deltas.tolist()):
-            sums[block_id] = sums.get(block_id, 0) + delta
-        block_ids_out = sorted(sums)
-        return np.array(block_ids_out, dtype=np.int64), np.array([sums[b] for b in block_ids_out], dtype=np.int64)
-    order = np.argsort(block_ids, kind="stable")
-    block_ids, deltas = block_ids[order], deltas[order]
-    starts = np.flatnonzero(np.concatenate(([True], block_ids[1:] != block_ids[:-1])))
-    return block_ids[starts], np.add.reduceat(deltas, starts)
-
-
-def _positions_in(held: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
-    """Index in `held` of each of `block_ids`, -1 where absent."""
-    if held.size == 0:
-        return np.full(block_ids.size, -1, dtype=np.int64)
-    order = np.argsort(held, kind="stable")
-    idx = np.minimum(np.searchsorted(held[order], block_ids), max(held.size - 1, 0))
-    found = held[order][idx] == block_ids
-    return np.where(found, order[idx], -1)

@@ -1,0 +1,42 @@
+"""Small array helpers of the substrate, cheap for the short arrays a step works on."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def block_slots(block_ids: np.ndarray, block_size: int) -> np.ndarray:
+    """Every slot of `block_ids`, block by block, offsets ascending."""
+    return (np.asarray(block_ids, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).ravel()
+
+
+def is_distinct(values: np.ndarray) -> bool:
+    """No value repeats (cheap when `values` ascends, as the planners' arrays do)."""
+    if values.size < 2 or (values[1:] > values[:-1]).all():
+        return True
+    return len(set(values.tolist())) == values.size
+
+
+def sum_by_block(block_ids: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct blocks (ascending) and the sum of their deltas (a dict for the usual few dozen
+    entries, where `np.unique` costs more)."""
+    if block_ids.size <= 64:
+        sums: dict[int, int] = {}
+        for block_id, delta in zip(block_ids.tolist(), deltas.tolist()):
+            sums[block_id] = sums.get(block_id, 0) + delta
+        block_ids_out = sorted(sums)
+        return np.array(block_ids_out, dtype=np.int64), np.array([sums[b] for b in block_ids_out], dtype=np.int64)
+    order = np.argsort(block_ids, kind="stable")
+    block_ids, deltas = block_ids[order], deltas[order]
+    starts = np.flatnonzero(np.concatenate(([True], block_ids[1:] != block_ids[:-1])))
+    return block_ids[starts], np.add.reduceat(deltas, starts)
+
+
+def positions_in(held: np.ndarray, block_ids: np.ndarray) -> np.ndarray:
+    """Index in `held` of each of `block_ids`, -1 where absent."""
+    if held.size == 0:
+        return np.full(block_ids.size, -1, dtype=np.int64)
+    order = np.argsort(held, kind="stable")
+    idx = np.minimum(np.searchsorted(held[order], block_ids), held.size - 1)
+    found = held[order][idx] == block_ids
+    return np.where(found, order[idx], -1)
