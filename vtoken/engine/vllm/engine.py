@@ -42,6 +42,7 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None
     dtype: str = "float32"
     seed: int = 0
+    extra_llm_kwargs: dict | None = None  # more vllm.LLM arguments (settings to try)
 
     def llm_kwargs(self) -> dict:
         kwargs = dict(
@@ -53,7 +54,7 @@ class EngineSpec:
             kwargs["num_gpu_blocks_override"] = self.num_gpu_blocks_override
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
-        return kwargs
+        return {**kwargs, **(self.extra_llm_kwargs or {})}
 
 
 def set_engine_env() -> None:
