@@ -23,17 +23,16 @@ from vtoken.checker_names import (
     CHECK_UNITS, EXECUTORS, FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, INVARIANT_NAMES, INVARIANTS, PRESSURE,
     TraceLimits, default_limits,
 )
-from vtoken.engine.vllm.run import CHECK_RUNS, VllmCheckReport
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
 from vtoken.trace import TRACE_FORMATS, load_trace
 from vtoken_cli.app import command, stderr, stdout
-from vtoken_cli.options import build_run_config, require_vllm
+from vtoken_cli.options import build_run_config
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 
 if TYPE_CHECKING:  # vtoken.checker imports torch: the command imports it when it runs, not at start-up
-    from vtoken.checker import CheckReport, Fault, Tally
+    from vtoken.checker import CheckReport, Tally
 
 SIM_MODEL = "llama-3.1-8b"
 SIM_LIMITS = default_limits("sim")
@@ -95,8 +94,10 @@ def check_command(
     if executor not in (*EXECUTORS, "vllm"):
         raise ConfigError(f"unknown executor '{executor}'; check-invariants runs on: {', '.join(EXECUTORS)}, vllm")
     if executor == "vllm":
-        _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
-                       block_size, max_requests, json_out, fault_kind=inject_fault)
+        from vtoken_cli.cmd_check_vllm import check_on_vllm
+
+        check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
+                      block_size, max_requests, json_out, fault_kind=inject_fault)
         return
     from vtoken.checker import (
         CheckOptions, bundled_sample_traces, check_invariants, load_check_model, num_progress_units, report_to_json,
@@ -104,7 +105,7 @@ def check_command(
 
     limits = default_limits(executor)
     options = CheckOptions(
-        policies=_policies(policy), reclaim_modes=_reclaim_modes(reclaim_mode), executor=executor, fault=inject_fault,
+        policies=parse_policies(policy), reclaim_modes=_reclaim_modes(reclaim_mode), executor=executor, fault=inject_fault,
         num_fuzz_scenarios=fuzz, num_blocks=num_blocks, block_size=block_size,
         limits=TraceLimits(_limit(max_requests, limits.max_requests), _limit(max_prompt_tokens, limits.max_prompt_tokens),
                            _limit(max_output_tokens, limits.max_output_tokens)),
@@ -150,7 +151,7 @@ def _limit(value: int | None, default: int | None) -> int | None:
     return value or None
 
 
-def _policies(text: str) -> tuple[str, ...]:
+def parse_policies(text: str) -> tuple[str, ...]:
     if text.strip() == "all":
         return DEFAULT_AUDIT_POLICIES
     return tuple(part.strip() for part in text.split(",") if part.strip())
@@ -189,7 +190,7 @@ def check_report(report: CheckReport) -> Group:
         parts.append(Text("\n".join(messages), style="red"))
     if report.options.fault is not None:
         caught_by = [name for name, t in report.tallies.items() if t.violations]
-        parts.append(_fault_line(report.options.fault, sum(r.faults_injected for r in report.runs), caught_by))
+        parts.append(fault_line(report.options.fault, sum(r.faults_injected for r in report.runs), caught_by))
     parts.append(_verdict(report))
     return Group(*parts)
 
@@ -256,7 +257,7 @@ def _mark(tally: Tally) -> Text:
     return Text("✗", style="bold red") if tally.violations else Text("✓", style="bold green")
 
 
-def _fault_line(fault: str, num_injected: int, caught_by: list[str]) -> Text:
+def fault_line(fault: str, num_injected: int, caught_by: list[str]) -> Text:
     expected = FAULT_DETECTED_BY[fault]
     if num_injected == 0:
         return Text(f"fault {fault}: never injected (these scenarios never offered the chance); nothing was tested",
@@ -287,124 +288,3 @@ def _verdict(report: CheckReport) -> Text:
 
 def _show(value) -> str:
     return "-" if value is None else str(value)
-
-
-VLLM_DEFAULT_TRACE = "azure_conv_sample.csv"
-VLLM_LIMITS = TraceLimits(max_requests=6, max_prompt_tokens=192, max_output_tokens=48)
-
-
-def _check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
-                   block_size, max_requests, json_out, fault_kind: str | None = None) -> None:
-    """`--executor vllm`: naive-evict and vtoken, both modes, every check on inside vLLM's
-    scheduler and worker, optionally with a fault injected there; exit 1 on a violation."""
-    fault = _vllm_fault(fault_kind)
-    require_vllm()
-    if model is None or not (Path(model).expanduser() / "config.json").is_file():
-        raise ConfigError(f"--executor vllm needs --model, a local model folder with a config.json, got {model!r}")
-    from vtoken.checker import bundled_sample_traces, scale_requests
-    from vtoken.engine.vllm.run import check_invariants_on_vllm
-
-    path = trace or next(p for p in bundled_sample_traces() if p.name == VLLM_DEFAULT_TRACE)
-    loaded = load_trace(path)
-    limits = replace(VLLM_LIMITS, max_requests=max_requests or VLLM_LIMITS.max_requests)
-    requests, cut = scale_requests(loaded.requests, limits)
-    loaded = replace(loaded, requests=requests)
-    config = build_run_config(
-        model=str(Path(model).expanduser() / "config.json"), gpu="h100-80gb", num_blocks=num_blocks,
-        gpu_mem_util=0.9, block_size=block_size or 32, policy=_policies(policy)[0], budget=budget,
-        eviction_interval=eviction_interval, reclaim_mode="hole-fill", theta_f=theta_f, concurrency=concurrency,
-        seed=seed, sim_profile=None,
-    )
-    with progress_bar(stderr, 40) as bar:
-        task = bar.add_task("checking on vLLM", total=4 * len(requests))
-        report = check_invariants_on_vllm(loaded, config, model, num_blocks,
-                                          lambda stage, n: bar.update(task, advance=n, description=stage), fault=fault)
-    notes = [cut] if cut else []
-    if json_out:
-        typer.echo(json.dumps(_vllm_payload(report, path, config.eviction.policy, notes), indent=2))
-    else:
-        stdout.print(vllm_check_report(report, Path(path).name, config.eviction.policy, notes), soft_wrap=False)
-    if not report.passed:
-        raise typer.Exit(1)
-
-
-def _vllm_fault(kind: str | None) -> Fault | None:
-    """The fault to inject into vLLM, or None; ConfigError for one that cannot go there."""
-    if kind is None:
-        return None
-    from vtoken.checker import make_fault
-
-    fault = make_fault(kind)
-    if fault.vllm_refusal:
-        raise ConfigError(f"--inject-fault {kind} cannot run on --executor vllm: {fault.vllm_refusal}")
-    return fault
-
-
-VLLM_INVARIANTS = ("I1", "I2", "I3")
-VLLM_CHECK_UNITS = {
-    "I1": "live ids after an eviction, or a step's KV copies read back byte for byte",
-    "I2": "a scan of all tables and the pool after an eviction",
-    "I3": "dense live layout after an eviction, what one request reads and writes in one forward, "
-          "or a step's copies landed before its forward",
-}
-VLLM_NO_I4 = ("I4 has nothing to check on vLLM: a compaction is applied when it is planned, and with prefix "
-              "caching off no block is shared")
-
-
-def _vllm_payload(report: VllmCheckReport, path: Path, policy: str, notes: list[str]) -> dict:
-    """The `--json` object of `--executor vllm`."""
-    violation = report.violation
-    return {
-        "executor": "vllm", "passed": report.passed, "trace": str(path), "policy": policy,
-        "notes": notes + [VLLM_NO_I4],
-        "evictions_checked": report.num_evictions_checked, "copies_verified": report.num_copies_verified,
-        "elapsed_s": report.elapsed_s,
-        "invariants": {name: {
-            "name": INVARIANT_NAMES[name], "checked": report.num_checks.get(name, 0),
-            "violations": int(violation is not None and violation.invariant == name),
-            "first_violation": vars(violation).copy() if violation is not None and violation.invariant == name else None,
-        } for name in VLLM_INVARIANTS},
-        "stopped": None if violation is None else f"after {violation.invariant} in {violation.run}",
-        "fault": None if report.fault is None else {
-            "kind": report.fault, "expected_invariant": FAULT_DETECTED_BY[report.fault],
-            "num_injected": report.num_faults_injected,
-        },
-        "runs": report.runs,
-    }
-
-
-def vllm_check_report(report: VllmCheckReport, trace_name: str, policy: str, notes: list[str]) -> Group:
-    """Header, the invariant table, the violation and the fault line, the verdict."""
-    violation = report.violation
-    header = Text(f"checked on vLLM: {trace_name}; policy {policy}; naive-evict and vtoken x hole-fill and ordered, "
-                  "every check inside vLLM's scheduler and worker" + "".join(f"\nnote: {n}" for n in notes))
-    caption = "; ".join(f"{name}: {unit}" for name, unit in VLLM_CHECK_UNITS.items())
-    table = Table(title="Invariants", title_justify="left", caption=f"one check = {caption}. {VLLM_NO_I4}",
-                  caption_justify="left")
-    for column in ("", "invariant", "checked", "violations", "first violation"):
-        table.add_column(column, justify="right" if column in ("checked", "violations") else "left")
-    for name in VLLM_INVARIANTS:
-        failed = violation is not None and violation.invariant == name
-        first = "-" if not failed else (
-            (f"vLLM block {violation.block_id}, offset {violation.offset} " if violation.block_id is not None else "")
-            + f"({violation.run})")
-        table.add_row(Text("✗", style="bold red") if failed else Text("✓", style="bold green"),
-                      f"{name} {INVARIANT_NAMES[name]}", f"{report.num_checks.get(name, 0):,}",
-                      Text(str(int(failed)), style="red" if failed else ""), first)
-    parts: list[RenderableType] = [header, table]
-    if violation is not None:
-        parts.append(Text(violation.message, style="red"))
-    if report.fault is not None:
-        parts.append(_fault_line(report.fault, report.num_faults_injected, [violation.invariant] if violation else []))
-    parts.append(_vllm_verdict(report))
-    return Group(*parts)
-
-
-def _vllm_verdict(report: VllmCheckReport) -> Text:
-    counts = (f"{report.num_evictions_checked:,} evictions and {report.num_copies_verified:,} relocations checked "
-              f"in {len(report.runs)} of {len(CHECK_RUNS)} runs, {report.elapsed_s:.1f} s")
-    violation = report.violation
-    if violation is None:
-        return Text.assemble(("PASSED ", "bold green"), f"I1-I3 held on every check: {counts}")
-    return Text.assemble(("FAILED ", "bold red"), f"{violation.invariant} violated in {violation.run}; the check "
-                         f"stopped there (a violation is raised inside vLLM's step): {counts}")
