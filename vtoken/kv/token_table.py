@@ -78,6 +78,7 @@ class TokenTable:
         capacity = max(capacity, 1)
         self._slot = np.zeros(capacity, dtype=np.int64)  # block_id * S + offset, stale for dead tokens
         self._live = np.ones(capacity, dtype=bool)  # True past num_tokens, so appending need not write it
+        self._capacity = capacity
         self._held = np.zeros(16, dtype=np.int64)
         self._num_held = 0
         # tokens appended to the tail whose live count and reverse-map entries are not yet in
@@ -239,7 +240,7 @@ class TokenTable:
             elif len(new_block_ids):
                 cursor = -1
             if cursor >= 0:
-                if token_id == self._slot.size:
+                if token_id == self._capacity:
                     self._reserve(token_id + 1)
                 slot = self._tail_slot + cursor
                 self._slot[token_id] = slot
@@ -335,7 +336,7 @@ class TokenTable:
         grown_slot[: self._slot.size] = self._slot
         grown_live = np.ones(new_capacity, dtype=bool)
         grown_live[: self._live.size] = self._live
-        self._slot, self._live = grown_slot, grown_live
+        self._slot, self._live, self._capacity = grown_slot, grown_live, new_capacity
 
     def evict_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         """Mark tokens dead (metadata only: no KV moves). Returns blocks of this request that
