@@ -48,7 +48,7 @@ class RecordingPolicy:
 def run_recorded(config: RunConfig, requests):
     runtime = Runtime(config, requests, SimExecutor(config.model, config.gpu, config.sim, config.seed))
     log: list = []
-    runtime.policy = RecordingPolicy(runtime.policy, log)
+    runtime.eviction.policy = RecordingPolicy(runtime.eviction.policy, log)
     return runtime.run(), sorted(log)
 
 

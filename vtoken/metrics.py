@@ -19,7 +19,7 @@ the state the memory sits in during the next forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -56,6 +56,57 @@ class Timeline:
 
 
 @dataclass(frozen=True)
+class MemorySample:
+    """The KV memory state at one instant: what the recorder weighs over time.
+
+    The sim and hf executors sample their block pool (`of_pool`); the vLLM executor counts the
+    blocks vLLM holds for its requests, which may be more than the token tables hold.
+    """
+
+    num_allocated_blocks: int
+    num_live_tokens: int
+    block_size: int
+    histogram: np.ndarray  # int64 [NUM_HISTOGRAM_BINS]: allocated blocks per tenth of u = live / S
+    num_blocks_le_half: int
+
+    @classmethod
+    def of_pool(cls, pool: BlockPool) -> "MemorySample":
+        return cls(pool.num_allocated_blocks, pool.num_live_tokens, pool.block_size, pool.utilization_histogram(),
+                   pool.num_blocks_le_half)
+
+    @property
+    def waste_ratio(self) -> float:
+        """F (Eq. 1); 0.0 with no block allocated."""
+        if self.num_allocated_blocks == 0:
+            return 0.0
+        return 1.0 - self.num_live_tokens / (self.num_allocated_blocks * self.block_size)
+
+    @property
+    def frac_blocks_le_half(self) -> float:
+        return self.num_blocks_le_half / self.num_allocated_blocks if self.num_allocated_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class RunCounters:
+    """What a run did to KV memory, counted by whoever owns the token tables (the runtime or
+    the vLLM scheduler's tracker). `plus` returns the counters with some incremented."""
+
+    tokens_evicted: int = 0
+    eviction_events: int = 0
+    tokens_moved: int = 0
+    blocks_reclaimed: int = 0
+    relocation_events: int = 0
+    preemptions: int = 0
+    invariant_violations: int = 0
+
+    def plus(self, **deltas: int) -> "RunCounters":
+        return replace(self, **{name: getattr(self, name) + delta for name, delta in deltas.items()})
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
 class RunResult:
     variant: str
     policy: str
@@ -85,6 +136,43 @@ class RunResult:
     host_time_s: float
     timeline: Timeline = field(repr=False, compare=False)
 
+    @classmethod
+    def from_recording(cls, recorder: "Recorder", counters: RunCounters, *, variant: str, policy: str,
+                       num_requests: int, skipped: tuple[tuple[str, str], ...], num_iterations: int,
+                       num_decode_steps: int, host_time_s: float) -> "RunResult":
+        """The one way a run becomes a result, for every executor."""
+        means, histogram = recorder.means()
+        makespan_s = recorder.makespan_s
+        return cls(
+            variant=variant,
+            policy=policy,
+            num_requests=num_requests,
+            num_completed=len(recorder.latencies_s),
+            skipped=skipped,
+            waste_ratio=float(means[0]),
+            frac_blocks_le_half=float(means[1]),
+            utilization_histogram=tuple(float(x) for x in histogram),
+            retained_blocks_per_request=float(means[2]),
+            peak_allocated_blocks=recorder.peak_allocated_blocks,
+            memory_utilization=float(means[4]),
+            trapped_bytes=float(means[3]),
+            peak_trapped_bytes=recorder.peak_trapped_bytes,
+            throughput_tok_s=recorder.num_output_tokens / makespan_s if makespan_s > 0 else 0.0,
+            latency=LatencyStats.of(recorder.latencies_s),
+            ttft=LatencyStats.of(recorder.ttfts_s),
+            tpot=LatencyStats.of(recorder.tpots_s),
+            makespan_s=makespan_s,
+            preemptions=counters.preemptions,
+            tokens_evicted=counters.tokens_evicted,
+            tokens_moved=counters.tokens_moved,
+            blocks_reclaimed=counters.blocks_reclaimed,
+            relocation_events=counters.relocation_events,
+            num_iterations=num_iterations,
+            num_decode_steps=num_decode_steps,
+            host_time_s=host_time_s,
+            timeline=recorder.timeline(),
+        )
+
     def headline(self) -> dict[str, float]:
         """The figures `compare --json` reports per variant (and repeats average)."""
         return {
@@ -106,10 +194,12 @@ class RunResult:
 
 
 class Recorder:
-    """Accumulates time-weighted memory state and request completions during a run."""
+    """Accumulates time-weighted memory state and request completions during a run.
 
-    def __init__(self, pool: BlockPool, kv_bytes_per_token: int) -> None:
-        self.pool = pool
+    It is handed a `MemorySample` per iteration and reads nothing else: the executor decides
+    what memory its engine holds."""
+
+    def __init__(self, kv_bytes_per_token: int) -> None:
         self.kv_bytes_per_token = kv_bytes_per_token
         self._last: tuple | None = None
         self._weight_s = 0.0
@@ -124,31 +214,26 @@ class Recorder:
         self.num_output_tokens = 0
         self.first_arrival_s: float | None = None
         self.last_finish_s = 0.0
-        self.tokens_evicted = 0
-        self.tokens_moved = 0
-        self.blocks_reclaimed = 0
-        self.relocation_events = 0
 
-    def sample(self, now_s: float, num_running: int) -> None:
-        """Close the previous sample's interval at `now_s` and open a new one."""
-        pool = self.pool
+    def sample(self, now_s: float, num_running: int, memory: MemorySample) -> None:
+        """Close the previous sample's interval at `now_s` and open a new one in state `memory`."""
         if self._last is not None:
             self._accumulate(now_s)
-        num_allocated = pool.num_allocated_blocks
-        trapped = (num_allocated * pool.block_size - pool.num_live_tokens) * self.kv_bytes_per_token
-        histogram = pool.utilization_histogram()
-        fractions = histogram / num_allocated if num_allocated else np.zeros(NUM_HISTOGRAM_BINS)
+        num_allocated = memory.num_allocated_blocks
+        trapped = (num_allocated * memory.block_size - memory.num_live_tokens) * self.kv_bytes_per_token
+        fractions = memory.histogram / num_allocated if num_allocated else np.zeros(NUM_HISTOGRAM_BINS)
+        waste_ratio = memory.waste_ratio
         values = np.array([
-            pool.waste_ratio(),
-            pool.frac_blocks_le_half(),
+            waste_ratio,
+            memory.frac_blocks_le_half,
             num_allocated / num_running if num_running else 0.0,
             trapped,
-            1.0 - pool.waste_ratio() if num_allocated else 0.0,
+            1.0 - waste_ratio if num_allocated else 0.0,
         ])
         self._last = (now_s, values, fractions, num_running > 0)
         self.peak_allocated_blocks = max(self.peak_allocated_blocks, num_allocated)
         self.peak_trapped_bytes = max(self.peak_trapped_bytes, float(trapped))
-        self._timeline.append((now_s, float(values[0]), num_allocated, pool.num_live_tokens, num_running))
+        self._timeline.append((now_s, float(values[0]), num_allocated, memory.num_live_tokens, num_running))
 
     def _accumulate(self, now_s: float) -> None:
         start_s, values, fractions, is_busy = self._last

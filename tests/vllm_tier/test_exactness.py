@@ -50,7 +50,7 @@ def run(llm, variant, policy, mode):
 def test_logprobs_match_the_reference(llm, reference_model, variant, policy, mode):
     generations = run(llm, variant, policy, mode)
     tracker = scheduler_of(llm).vtoken
-    assert tracker.counters["invariant_violations"] == 0
+    assert tracker.counters.invariant_violations == 0
     for g in generations:
         expected = reference_logprobs(reference_model, g.prompt_ids, g.token_ids, g.events)
         error = np.abs(np.array(g.logprobs) - expected).max()

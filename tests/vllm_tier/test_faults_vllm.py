@@ -92,4 +92,4 @@ def test_a_new_token_written_off_its_table_slot_is_an_i3_violation(tiny_model_di
         model_runner_of(llm)._vtoken_slot_mapping = lambda num_evicted, num_tokens: None
         with pytest.raises(InvariantError, match=r"I3 violated: request \S+ writes a new token's K/V to block \d+"):
             generate(llm, prompts(), MAX_TOKENS)
-        assert scheduler_of(llm).vtoken.counters["eviction_events"] > 0
+        assert scheduler_of(llm).vtoken.counters.eviction_events > 0

@@ -42,7 +42,7 @@ def test_preempted_requests_resume_with_the_same_evictions(llm, reference_model,
     scheduler.reconfigure(settings(variant, policy))
     generations = generate(llm, prompts(), 48)
     tracker = scheduler.vtoken
-    assert tracker.counters["preemptions"] > 0, "the pool should have forced a preemption"
+    assert tracker.counters.preemptions > 0, "the pool should have forced a preemption"
     for g in generations:
         expected = reference_logprobs(reference_model, g.prompt_ids, g.token_ids, g.events)
         error = np.abs(np.array(g.logprobs) - expected).max()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vtoken.engine.vllm.compaction import live_positions, naive_num_blocks, plan_compaction
+from vtoken.kv.compaction import live_positions, naive_num_blocks, plan_compaction
 from vtoken.engine.vllm.metrics import EngineMetrics
 from vtoken.engine.vllm.settings import VllmSettings, settings_from_additional_config
 from vtoken.engine.vllm.tracker import VTokenTracker

@@ -220,7 +220,7 @@ def run_checked(observer: CheckingObserver, on_progress: Callable[[int], None] |
         scenario=scenario.name, policy=config.eviction.policy, reclaim_mode=config.reclaim.mode,
         block_size=config.block_size, num_blocks=config.num_blocks, num_requests=len(scenario.requests),
         num_completed=runtime.recorder_completed(), relocation_events=observer.num_relocations,
-        tokens_moved=observer.num_tokens_moved, preemptions=runtime.scheduler.num_preemptions,
+        tokens_moved=observer.num_tokens_moved, preemptions=runtime.counters.preemptions,
         faults_injected=observer.fault.num_injected, stopped=stopped, tallies=observer.tallies(),
         elapsed_s=time.perf_counter() - started,
     )

@@ -33,13 +33,16 @@ import torch
 
 from vtoken.engine.config import RunConfig
 from vtoken.engine.hf_forward import PagedDecoder
-from vtoken.engine.runtime import Runtime
-from vtoken.engine.scheduler import Batch, ReqState
+from vtoken.engine.observer import RuntimeObserver
+from vtoken.engine.runtime import PlannerFactory, Runtime
+from vtoken.engine.scheduler import Batch, ReqState, TableFactory
+from vtoken.engine.executor import StepLoad, TokenScores
 from vtoken.engine.scores import AttentionStats
-from vtoken.engine.sim import StepLoad
 from vtoken.errors import ConfigError
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
+from vtoken.kv.reclaim import Reclaimer
+from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import RunResult
 from vtoken.models import LoadedModel
 from vtoken.policies import make_policy
@@ -247,7 +250,7 @@ class HFExecutor:
 
     # ---- what the runtime asks -------------------------------------------------------------
 
-    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> TokenScores:
         """(attention_sum, attention_last, importance_count) of `token_ids`, as of the latest
         query (position num_tokens - 1: the hf executor never fuses steps)."""
         scores = self._records[req_idx].scores
@@ -283,7 +286,8 @@ def _padded_slots(tables: Sequence) -> tuple[np.ndarray, np.ndarray]:
 
 def build_hf_runtime(config: RunConfig, requests: Sequence[Request], model: LoadedModel, *,
                      make_copy_engine: Callable[[PagedKVCache], CopyEngine] | None = None,
-                     observer: object | None = None, collect_scores: bool | None = None) -> Runtime:
+                     observer: RuntimeObserver | None = None, collect_scores: bool | None = None,
+                     planner_factory: PlannerFactory = Reclaimer, table_factory: TableFactory = TokenTable) -> Runtime:
     """A runtime whose executor runs `model` and whose copy engine moves the model's KV.
 
     `requests` are prepared here (prompt text tokenized, or seeded random ids); the executor
@@ -291,6 +295,7 @@ def build_hf_runtime(config: RunConfig, requests: Sequence[Request], model: Load
     (`runtime.executor.kv_cache`). `make_copy_engine(kv_cache)` builds the copy engine
     (default: synchronous). `config.model` is replaced by the loaded model's KV geometry;
     `collect_scores` defaults to whether the variant evicts with a policy that needs attention.
+    `observer`, `planner_factory` and `table_factory` go to the runtime (the checker's parts).
     """
     prepared = prepare_requests(requests, model.tokenizer, config.seed)
     if collect_scores is None:
@@ -299,7 +304,8 @@ def build_hf_runtime(config: RunConfig, requests: Sequence[Request], model: Load
                           importance_window=config.sim.importance_window)
     copy_engine = make_copy_engine(executor.kv_cache) if make_copy_engine else CopyEngine(executor.kv_cache, "sync")
     config = replace(config, model=model.spec)
-    return Runtime(config, prepared.requests, executor, copy_engine=copy_engine, observer=observer)
+    return Runtime(config, prepared.requests, executor, copy_engine=copy_engine, observer=observer,
+                   planner_factory=planner_factory, table_factory=table_factory)
 
 
 @dataclass(frozen=True)

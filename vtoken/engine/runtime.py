@@ -23,36 +23,54 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from vtoken.engine.config import RunConfig
-from vtoken.engine.scheduler import Batch, ReqState, Scheduler
-from vtoken.engine.sim import SimExecutor, StepLoad
+from vtoken.engine.eviction import EvictionSchedule
+from vtoken.engine.executor import Executor, StepCostModel, StepLoad
+from vtoken.engine.observer import NullObserver, RuntimeObserver
+from vtoken.engine.scheduler import Batch, ReqState, Scheduler, TableFactory
 from vtoken.invariants import check_plan
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.reclaim import Reclaimer, RelocationPlan
-from vtoken.metrics import LatencyStats, Recorder, RunResult
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
+from vtoken.kv.token_table import TokenTable
+from vtoken.metrics import MemorySample, Recorder, RunCounters, RunResult
 from vtoken.policies import make_policy
-from vtoken.policies.base import RequestView
 from vtoken.trace import Request
+
+PlannerFactory = Callable[[ReclaimConfig, BlockPool], Reclaimer]
 
 
 class Runtime:
+    """One replay of `requests` through `config.variant` on `executor`.
+
+    The parts a run is built from can be passed in, for the checker and its faults: the copy
+    engine (default: synchronous, no KV tensor), an observer of every event, the factory of the
+    reclaimer (vtoken variant only) and the factory of every token table.
+    """
+
     def __init__(
         self,
         config: RunConfig,
         requests: Sequence[Request],
-        executor: SimExecutor,
+        executor: Executor,
+        *,
         copy_engine: CopyEngine | None = None,
-        observer: object | None = None,
+        observer: RuntimeObserver | None = None,
+        planner_factory: PlannerFactory = Reclaimer,
+        table_factory: TableFactory = TokenTable,
     ) -> None:
+        if executor.max_fused_steps > 1 and not isinstance(executor, StepCostModel):
+            raise TypeError(f"executor {executor.name!r} fuses decode steps but cannot predict their duration")
         self.config = config
         self.executor = executor
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.pool, list(requests), config.concurrency, config.max_num_seqs, config.admit_all_at_start)
-        self.policy = make_policy(config.eviction.policy, seed=config.seed)
-        self.reclaimer = Reclaimer(config.reclaim, self.pool) if config.reclaims else None
+        self.scheduler = Scheduler(self.pool, list(requests), config.concurrency, config.max_num_seqs,
+                                   config.admit_all_at_start, table_factory=table_factory)
+        self.eviction = EvictionSchedule(config.eviction, make_policy(config.eviction.policy, seed=config.seed))
+        self.reclaimer = planner_factory(config.reclaim, self.pool) if config.reclaims else None
         self.copy_engine = copy_engine or CopyEngine(None, "sync")
-        self.observer = observer
-        self.recorder = Recorder(self.pool, config.model.kv_bytes_per_token)
+        self.observer = observer or NullObserver()
+        self.recorder = Recorder(config.model.kv_bytes_per_token)
+        self.counters = RunCounters()
         self.now_s = 0.0
         self.num_iterations = 0
         self.num_decode_steps = 0
@@ -99,7 +117,7 @@ class Runtime:
         decode = list(sched.running)
         prefill = sched.admit(admissible, self.now_s)
         for state in prefill:
-            self._observe("on_synced", state.table, 0)
+            self.observer.on_synced(state.table, 0)
         num_steps = 1 if prefill else self._num_fusable_steps(decode)
         num_steps = self._make_room(decode, num_steps)
         decode = [s for s in decode if s.table is not None]
@@ -123,7 +141,7 @@ class Runtime:
 
     def _decode_time_s(self, decode: list[ReqState], num_steps: int) -> float:
         load = StepLoad(num_steps, sum(s.table.num_live_tokens for s in decode), len(decode), 0, 0)
-        return self.executor.iteration_time_s(load)
+        return self.executor.iteration_time_s(load)  # a StepCostModel: checked in __init__
 
     def _make_room(self, decode: list[ReqState], num_steps: int) -> int:
         """Shrink the fused steps, then preempt, until the batch's growth fits in the pool."""
@@ -142,8 +160,12 @@ class Runtime:
                 sched.drop(state, f"does not fit in {self.pool.num_blocks} blocks even alone", self.now_s)
                 self.executor.forget(state.req_idx)
                 return num_steps
-            self._leave(sched.running[-1])
+            victim = sched.running[-1]
+            self._leave(victim)
+            if self.config.evicts:
+                self.eviction.on_preempt(victim.eviction, victim.table)
             sched.preempt_last()
+            self.counters = self.counters.plus(preemptions=1)
 
     # ---- execute -----------------------------------------------------------------------------
 
@@ -156,7 +178,7 @@ class Runtime:
         self.copy_engine.wait_before_forward()
         for plan in self.copy_engine.poll_completed():
             self._complete(plan)
-        self._observe("on_forward", batch, self.copy_engine.in_flight_plans)
+        self.observer.on_forward(batch, self.copy_engine.in_flight_plans)
         load = StepLoad(
             batch.num_decode_steps,
             batch.num_live_kv_tokens,
@@ -182,11 +204,11 @@ class Runtime:
         for state in batch.prefill + batch.decode:
             if state.num_remaining == 0:
                 self._finish(state)
-            elif self.config.evicts and state.num_generated >= state.next_eviction_at:
+            elif self.config.evicts and self.eviction.is_due(state.eviction, state.num_generated):
                 self._evict(state)
         if self.reclaimer is not None and self.reclaimer.is_eligible(self.num_iterations):
             self._reclaim()
-        self.recorder.sample(self.now_s, len(self.scheduler.running))
+        self.recorder.sample(self.now_s, len(self.scheduler.running), MemorySample.of_pool(self.pool))
 
     def _grow(self, state: ReqState, num_steps: int) -> None:
         """Place the KV of the next `num_steps` tokens (written by the coming forward)."""
@@ -194,7 +216,7 @@ class Runtime:
         num_tokens_before = table.num_tokens
         block_ids = self.pool.allocate(table.num_new_blocks_needed(num_steps))
         table.sync_new_tokens(block_ids, table.num_tokens + num_steps)
-        self._observe("on_synced", table, num_tokens_before)
+        self.observer.on_synced(table, num_tokens_before)
 
     def _finish(self, state: ReqState) -> None:
         self.recorder.record_finish(state.arrival_s, state.first_token_s, self.now_s, state.request.num_output_tokens)
@@ -205,33 +227,20 @@ class Runtime:
     # ---- eviction ----------------------------------------------------------------------------
 
     def _evict(self, state: ReqState) -> None:
-        """Run the policy on the request as it was at its eviction point, then mark victims dead."""
-        table = state.table
-        interval = self.config.eviction.interval_tokens
-        overshoot = state.num_generated - state.next_eviction_at
-        num_tokens = table.num_tokens - overshoot
-        state.next_eviction_at = (state.num_generated // interval + 1) * interval
-        view = self._view(state, num_tokens)
-        victims = self.policy.select_victims(view)
-        if victims.size == 0:
+        """Ask the schedule what the request loses now, then mark those tokens dead."""
+        scores = None
+        if self.eviction.policy.needs_attention:
+            scores = lambda token_ids, num_tokens: self.executor.attention_stats(state.req_idx, token_ids, num_tokens)  # noqa: E731
+        event = self.eviction.decide(state.eviction, state.req_idx, state.table, state.num_generated, scores)
+        if event is None:
             return
-        emptied = table.evict_tokens(victims)
-        self.recorder.tokens_evicted += int(victims.size)
+        table = state.table
+        emptied = table.evict_tokens(event.token_ids)
+        self.counters = self.counters.plus(tokens_evicted=int(event.token_ids.size), eviction_events=1)
         if state.req_idx in self._busy_req_ids:
             return  # blocks of a request with a copy in flight are released when it lands
         table.release_blocks(emptied)
         self.pool.free(emptied)
-
-    def _view(self, state: ReqState, num_tokens: int) -> RequestView:
-        table = state.table
-        budget = self.config.eviction.budget
-        live_ids = table.live_token_ids()
-        token_ids = live_ids[(live_ids >= table.num_pinned_tokens) & (live_ids < num_tokens)]
-        num_keep = max(0, budget.num_keep_tokens(num_tokens) - table.num_pinned_tokens)
-        scores = (None, None, None)
-        if self.policy.needs_attention:
-            scores = self.executor.attention_stats(state.req_idx, token_ids, num_tokens)
-        return RequestView(state.req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens, budget.num_recent_tokens, *scores)
 
     # ---- reclamation -------------------------------------------------------------------------
 
@@ -242,7 +251,7 @@ class Runtime:
         for plan in self.reclaimer.plan(tables, busy):
             table = by_id[plan.req_id]
             check_plan(plan, table, self.pool, busy)
-            self._observe("on_plan", plan, table)
+            self.observer.on_plan(plan, table)
             got = self.pool.allocate(plan.dst_new_block_ids.size)
             assert np.array_equal(got, plan.dst_new_block_ids), "allocation diverged from the planned destinations"
             table.adopt_blocks(got)
@@ -267,10 +276,9 @@ class Runtime:
         emptied = held[self.pool.live_counts[held] == 0]
         table.release_blocks(emptied)
         self.pool.free(emptied)
-        self.recorder.tokens_moved += plan.num_tokens_moved
-        self.recorder.blocks_reclaimed += plan.num_blocks_freed
-        self.recorder.relocation_events += 1
-        self._observe("on_plan_completed", plan, table, live_before)
+        self.counters = self.counters.plus(tokens_moved=plan.num_tokens_moved, blocks_reclaimed=plan.num_blocks_freed,
+                                           relocation_events=1)
+        self.observer.on_plan_completed(plan, table, live_before)
 
     def _leave(self, state: ReqState) -> None:
         """A request gives up its blocks: its copies in flight must not land anywhere."""
@@ -278,42 +286,13 @@ class Runtime:
             self.copy_engine.cancel(state.req_idx)
             self._busy_req_ids = self._busy_req_ids - {state.req_idx}
 
-    def _observe(self, event: str, *args) -> None:
-        if self.observer is not None:
-            getattr(self.observer, event)(*args)
-
     # ---- result ------------------------------------------------------------------------------
 
     def _result(self, host_time_s: float) -> RunResult:
-        rec = self.recorder
-        means, histogram = rec.means()
-        makespan_s = rec.makespan_s
-        return RunResult(
-            variant=self.config.variant,
-            policy=self.config.eviction.policy if self.config.evicts else "none",
-            num_requests=len(self.scheduler.requests),
-            num_completed=len(rec.latencies_s),
-            skipped=tuple(self.scheduler.skipped),
-            waste_ratio=float(means[0]),
-            frac_blocks_le_half=float(means[1]),
-            utilization_histogram=tuple(float(x) for x in histogram),
-            retained_blocks_per_request=float(means[2]),
-            peak_allocated_blocks=rec.peak_allocated_blocks,
-            memory_utilization=float(means[4]),
-            trapped_bytes=float(means[3]),
-            peak_trapped_bytes=rec.peak_trapped_bytes,
-            throughput_tok_s=rec.num_output_tokens / makespan_s if makespan_s > 0 else 0.0,
-            latency=LatencyStats.of(rec.latencies_s),
-            ttft=LatencyStats.of(rec.ttfts_s),
-            tpot=LatencyStats.of(rec.tpots_s),
-            makespan_s=makespan_s,
-            preemptions=self.scheduler.num_preemptions,
-            tokens_evicted=rec.tokens_evicted,
-            tokens_moved=rec.tokens_moved,
-            blocks_reclaimed=rec.blocks_reclaimed,
-            relocation_events=rec.relocation_events,
-            num_iterations=self.num_iterations,
-            num_decode_steps=self.num_decode_steps,
-            host_time_s=host_time_s,
-            timeline=rec.timeline(),
+        config = self.config
+        return RunResult.from_recording(
+            self.recorder, self.counters, variant=config.variant,
+            policy=config.eviction.policy if config.evicts else "none", num_requests=len(self.scheduler.requests),
+            skipped=tuple(self.scheduler.skipped), num_iterations=self.num_iterations,
+            num_decode_steps=self.num_decode_steps, host_time_s=host_time_s,
         )

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from vtoken.engine.eviction import EvictionClock
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.token_table import TokenTable
 from vtoken.trace import Request
+
+TableFactory = Callable[[int, BlockPool, int], TokenTable]  # (req_id, pool, capacity) -> an empty table
 
 
 @dataclass
@@ -32,7 +36,7 @@ class ReqState:
     num_generated: int = 0
     first_token_s: float | None = None
     num_preemptions: int = 0
-    next_eviction_at: int = 1  # evict when num_generated reaches this (1 = right after prefill)
+    eviction: EvictionClock = field(default_factory=EvictionClock)
     holds_prefix: str | None = None
 
     @property
@@ -63,9 +67,9 @@ class Scheduler:
     concurrency: int | None
     max_num_seqs: int
     admit_all_at_start: bool = False
+    table_factory: TableFactory = TokenTable
     running: list[ReqState] = field(default_factory=list)
     waiting: deque = field(default_factory=deque)
-    num_preemptions: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (request_id, why)
 
     def __post_init__(self) -> None:
@@ -131,7 +135,7 @@ class Scheduler:
         return self._prefixes.get(prefix_id) if prefix_id is not None else None
 
     def _place(self, state: ReqState, num_tokens: int, prefix: _Prefix | None) -> None:
-        table = TokenTable(state.req_idx, self.pool, capacity=num_tokens + state.num_remaining + 1)
+        table = self.table_factory(state.req_idx, self.pool, num_tokens + state.num_remaining + 1)
         num_prefix_blocks = state.request.num_prefix_tokens // self.pool.block_size
         if prefix is not None:
             self.pool.share(prefix.block_ids)
@@ -152,12 +156,11 @@ class Scheduler:
         return sum(s.table.num_new_blocks_needed(num_steps) for s in decode)
 
     def preempt_last(self) -> ReqState:
-        """Recompute-style preemption of the most recently admitted running request."""
+        """Recompute-style preemption of the most recently admitted running request: it waits
+        at the head of the queue and is prefilled again from all its tokens."""
         state = self.running.pop()
         self._drop_table(state)
         state.num_preemptions += 1
-        state.next_eviction_at = state.num_generated + 1 if state.num_generated else 1
-        self.num_preemptions += 1
         self.waiting.appendleft(state)
         return state
 

@@ -29,12 +29,17 @@ from __future__ import annotations
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vtoken.engine.executor import StepLoad, TokenScores
 from vtoken.errors import ConfigError
 from vtoken.hardware import GpuSpec
 from vtoken.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from vtoken.engine.scheduler import Batch
 
 
 @dataclass(frozen=True)
@@ -90,17 +95,6 @@ def load_sim_profile(path: str | Path) -> SimProfile:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-@dataclass(frozen=True)
-class StepLoad:
-    """What one engine iteration asks of the hardware."""
-
-    num_decode_steps: int  # fused decode steps in this iteration (>= 1)
-    num_live_kv_tokens: int  # live KV tokens read by attention at the first of those steps
-    num_decoding_requests: int  # each adds one live token per step
-    num_prefill_tokens: int  # prompt tokens computed in the first step
-    num_copied_tokens: int  # tokens relocated after this iteration's forward
-
-
 class SimExecutor:
     """Deterministic step times and attention scores; no model, no tensors."""
 
@@ -118,7 +112,7 @@ class SimExecutor:
 
     # ---- cost model ----------------------------------------------------------------------
 
-    def execute(self, batch, load: StepLoad) -> float:
+    def execute(self, batch: Batch, load: StepLoad) -> float:
         """The iteration's duration from the cost model; nothing runs."""
         return self.iteration_time_s(load)
 
@@ -151,7 +145,7 @@ class SimExecutor:
     def forget(self, req_idx: int) -> None:
         self._importance.pop(req_idx, None)
 
-    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> TokenScores:
         """(attention_sum, attention_last, importance_count) of `token_ids` at length `num_tokens`."""
         p = self.profile
         w = self.importance(req_idx, num_tokens)[token_ids]

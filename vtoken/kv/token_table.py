@@ -131,6 +131,9 @@ class TokenTable:
     def live_token_ids(self) -> np.ndarray:
         return np.flatnonzero(self.live)
 
+    def evicted_token_ids(self) -> np.ndarray:
+        return np.flatnonzero(~self.live)
+
     def slots(self) -> np.ndarray:
         """Physical slots of the live tokens in logical order (Eq. 2): block_id * S + offset.
 

@@ -100,7 +100,7 @@ class EngineMetrics:
         self._gauges["allocated_blocks"].set(stats.num_allocated_blocks)
         self._gauges["running_requests"].set(stats.num_running_requests)
         for key, counter in self._counters.items():
-            value = getattr(stats, key)
+            value = getattr(stats.counters, key)
             if value > self._last_counts[key]:
                 counter.inc(value - self._last_counts[key])
                 self._last_counts[key] = value

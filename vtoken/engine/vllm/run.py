@@ -11,9 +11,9 @@ finished. Prompts are random token ids seeded by (seed, request index), of the t
 length; generation is greedy for exactly the trace's output length (EOS ignored). Times are
 wall-clock seconds on this machine.
 
-Memory is sampled after every engine step from the scheduler: the blocks vLLM holds for each
-request (the token table's blocks plus the blocks a variant keeps beyond them, which hold no
-live token) and the live tokens, into the same time-weighted `Recorder` the sim uses. The KV
+Memory is sampled after every engine step from the scheduler (`held_memory`: the blocks vLLM
+holds for each request and the live tokens) into the same time-weighted `Recorder` the sim
+uses, and the result is built by the same `RunResult.from_recording`. The KV
 block budget is vLLM's pool (`config.num_blocks`; one block is vLLM's null block).
 """
 
@@ -31,8 +31,7 @@ from vtoken.engine.config import VARIANTS, RunConfig
 from vtoken.engine.vllm.engine import EngineSpec, model_runner_of, open_llm, scheduler_of
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import ConfigError, InvariantError
-from vtoken.kv.block_pool import NUM_HISTOGRAM_BINS
-from vtoken.metrics import LatencyStats, Recorder, RunResult
+from vtoken.metrics import MemorySample, Recorder, RunResult
 from vtoken.model_spec import model_spec_from_hf_config
 from vtoken.trace import Request, Trace
 
@@ -41,32 +40,19 @@ VLLM_SKIPPED_NOTE = ("--executor vllm measures the three variants only: the conc
                      "frontier need dozens of replays and are skipped (run them with --executor sim)")
 
 
-class _HeldBlocks:
-    """What `Recorder` reads from a pool, computed over the blocks vLLM holds for the requests."""
-
-    def __init__(self, scheduler) -> None:
-        tracker = scheduler.vtoken
-        ledger = tracker.ledger
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        num_held = sum(len(manager.req_to_blocks.get(r, ())) for r in tracker.requests)
-        num_spare = max(0, num_held - ledger.num_allocated_blocks)
-        self.block_size = ledger.block_size
-        self.num_allocated_blocks = ledger.num_allocated_blocks + num_spare
-        self.num_live_tokens = ledger.num_live_tokens
-        self._histogram = ledger.utilization_histogram()
-        self._histogram[0] += num_spare
-        self._num_le_half = ledger.num_blocks_le_half + num_spare
-
-    def utilization_histogram(self) -> np.ndarray:
-        return self._histogram
-
-    def waste_ratio(self) -> float:
-        if self.num_allocated_blocks == 0:
-            return 0.0
-        return 1.0 - self.num_live_tokens / (self.num_allocated_blocks * self.block_size)
-
-    def frac_blocks_le_half(self) -> float:
-        return self._num_le_half / self.num_allocated_blocks if self.num_allocated_blocks else 0.0
+def held_memory(scheduler) -> MemorySample:
+    """The memory vLLM holds for the requests: the token tables' blocks (the ledger) plus the
+    blocks a variant keeps beyond them, which hold no live token (naive-evict's dead blocks,
+    vtoken's blocks between reclamation rounds)."""
+    tracker = scheduler.vtoken
+    ledger = tracker.ledger
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    num_held = sum(len(manager.req_to_blocks.get(r, ())) for r in tracker.requests)
+    num_spare = max(0, num_held - ledger.num_allocated_blocks)
+    histogram = ledger.utilization_histogram()
+    histogram[0] += num_spare
+    return MemorySample(ledger.num_allocated_blocks + num_spare, ledger.num_live_tokens, ledger.block_size, histogram,
+                        ledger.num_blocks_le_half + num_spare)
 
 
 def settings_for(config: RunConfig, variant: str) -> VllmSettings:
@@ -89,7 +75,7 @@ def replay(llm, config: RunConfig, requests: Sequence[Request], on_done: Callabl
     engine = llm.llm_engine
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
     max_len = llm.llm_engine.model_config.max_model_len
-    recorder = Recorder(_HeldBlocks(scheduler), config.model.kv_bytes_per_token)
+    recorder = Recorder(config.model.kv_bytes_per_token)
     skipped, pending = [], list(enumerate(requests))
     in_flight: dict[str, tuple[int, float, float | None]] = {}  # id -> (num output tokens, arrival, first token)
     started = time.perf_counter()
@@ -124,31 +110,13 @@ def replay(llm, config: RunConfig, requests: Sequence[Request], on_done: Callabl
                 recorder.record_finish(arrival_s, first_s if first_s is not None else now_s, now_s, num_out)
                 if on_done is not None:
                     on_done(1)
-        recorder.pool = _HeldBlocks(scheduler)
-        recorder.sample(now_s, len(scheduler.vtoken.requests))
+        recorder.sample(now_s, len(scheduler.vtoken.requests), held_memory(scheduler))
         submit()
-    return _result(config, scheduler.vtoken, recorder, len(requests), tuple(skipped), num_iterations,
-                   time.perf_counter() - started)
-
-
-def _result(config: RunConfig, tracker, rec: Recorder, num_requests: int, skipped: tuple, num_iterations: int,
-            host_time_s: float) -> RunResult:
-    means, histogram = rec.means()
-    counters = tracker.counters
-    makespan_s = rec.makespan_s
-    return RunResult(
-        variant=config.variant, policy=config.eviction.policy if config.evicts else "none",
-        num_requests=num_requests, num_completed=len(rec.latencies_s), skipped=skipped,
-        waste_ratio=float(means[0]), frac_blocks_le_half=float(means[1]),
-        utilization_histogram=tuple(float(x) for x in histogram) if len(histogram) else (0.0,) * NUM_HISTOGRAM_BINS,
-        retained_blocks_per_request=float(means[2]), peak_allocated_blocks=rec.peak_allocated_blocks,
-        memory_utilization=float(means[4]), trapped_bytes=float(means[3]), peak_trapped_bytes=rec.peak_trapped_bytes,
-        throughput_tok_s=rec.num_output_tokens / makespan_s if makespan_s > 0 else 0.0,
-        latency=LatencyStats.of(rec.latencies_s), ttft=LatencyStats.of(rec.ttfts_s), tpot=LatencyStats.of(rec.tpots_s),
-        makespan_s=makespan_s, preemptions=counters["preemptions"], tokens_evicted=counters["tokens_evicted"],
-        tokens_moved=counters["tokens_moved"], blocks_reclaimed=counters["blocks_reclaimed"],
-        relocation_events=counters["relocation_events"], num_iterations=num_iterations,
-        num_decode_steps=num_iterations, host_time_s=host_time_s, timeline=rec.timeline(),
+    return RunResult.from_recording(
+        recorder, scheduler.vtoken.counters, variant=config.variant,
+        policy=config.eviction.policy if config.evicts else "none", num_requests=len(requests),
+        skipped=tuple(skipped), num_iterations=num_iterations, num_decode_steps=num_iterations,
+        host_time_s=time.perf_counter() - started,
     )
 
 
@@ -279,7 +247,7 @@ def check_invariants_on_vllm(trace: Trace, config: RunConfig, model: str, num_bl
             except InvariantError as exc:
                 violation = VllmViolation(exc.invariant, str(exc), label, exc.where.get("block_id"), exc.where.get("offset"))
             tracker = scheduler_of(llm).vtoken  # replay() reconfigured the scheduler: a new tracker
-            runs[label] = dict(tracker.counters)
+            runs[label] = tracker.counters.as_dict()
             num_checks.update(tracker.num_checks)
             num_checks.update(Counter(runner.vtoken_num_checks or {}) - runner_checks_before)
             if violation is not None:

@@ -32,29 +32,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vtoken.engine.vllm.compaction import live_positions, naive_num_blocks, plan_compaction
-from vtoken.engine.vllm.plan import StepPlan
+from vtoken.engine.eviction import EvictionClock, EvictionEvent, EvictionSchedule
+from vtoken.engine.scheduler import TableFactory
 from vtoken.engine.scores import AttentionStats
+from vtoken.engine.vllm.plan import StepPlan
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_unique_mapping
 from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.compaction import live_positions, naive_num_blocks, plan_compaction
 from vtoken.kv.token_table import TokenTable
+from vtoken.metrics import RunCounters
 from vtoken.policies import make_policy
-from vtoken.policies.base import RequestView
-
-
-@dataclass(frozen=True)
-class EvictionEvent:
-    """Tokens a request lost when its KV held `num_tokens` tokens (ids ascending).
-
-    `is_resume`: the request was preempted and recomputed; its KV was rebuilt from all tokens
-    and the same tokens were evicted again at this length (not a new policy decision).
-    """
-
-    num_tokens: int
-    token_ids: np.ndarray
-    is_resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,13 +55,7 @@ class EngineStats:
     num_live_tokens: int
     num_allocated_blocks: int
     block_size: int
-    tokens_evicted: int
-    tokens_moved: int
-    blocks_reclaimed: int
-    relocation_events: int
-    eviction_events: int
-    preemptions: int
-    invariant_violations: int
+    counters: RunCounters
 
     @property
     def waste_ratio(self) -> float:
@@ -86,9 +69,8 @@ class EngineStats:
 class _Request:
     req_idx: int  # integer id for the policy (seeded draws) and the table
     table: TokenTable
-    next_eviction_at: int = 1  # evict when num_output_tokens reaches this (1 = after prefill)
+    eviction: EvictionClock = field(default_factory=EvictionClock)
     manager_offset: int = 0
-    resume_evicted_ids: np.ndarray | None = None  # re-evict after a recompute (preemption)
     pending_src: list[np.ndarray] = field(default_factory=list)  # vLLM slots, not yet sent
     pending_dst: list[np.ndarray] = field(default_factory=list)
     has_moves_in_flight: bool = False
@@ -101,13 +83,15 @@ class _Request:
 
 
 class VTokenTracker:
-    def __init__(self, settings: VllmSettings, num_blocks: int, block_size: int, num_heads_layers: int = 1) -> None:
+    def __init__(self, settings: VllmSettings, num_blocks: int, block_size: int, num_heads_layers: int = 1,
+                 table_factory: TableFactory = TokenTable) -> None:
         self.settings = settings
         self.block_size = block_size
         self.num_heads_layers = num_heads_layers  # attention rows are summed over heads and layers
         self.ledger = BlockPool(num_blocks, block_size)
         self.vllm_id_of = np.full(num_blocks, -1, dtype=np.int64)  # ledger id -> vLLM block id
-        self.policy = make_policy(settings.eviction.policy, seed=settings.seed)
+        self.eviction = EvictionSchedule(settings.eviction, make_policy(settings.eviction.policy, seed=settings.seed))
+        self.table_factory = table_factory
         self.requests: dict[str, _Request] = {}
         self._resumed: dict[str, _Request] = {}  # preempted: waits for its recompute
         self.finished_events: dict[int, list[EvictionEvent]] = {}  # by req_idx; only with record_events
@@ -117,8 +101,7 @@ class VTokenTracker:
         self._truncations: dict[str, int] = {}
         self._num_synced: dict[str, int] = {}  # tokens each request got since the last step plan
         self.num_checks = dict.fromkeys(("I1", "I2", "I3"), 0)  # checks run (check_invariants)
-        self.counters = dict(tokens_evicted=0, tokens_moved=0, blocks_reclaimed=0, relocation_events=0,
-                             eviction_events=0, preemptions=0, invariant_violations=0)
+        self.counters = RunCounters()
 
     # ---- identities ----------------------------------------------------------------------------
 
@@ -156,7 +139,7 @@ class VTokenTracker:
         if state is None:
             state = self._resumed.pop(req_id, None)
             if state is None:
-                table = TokenTable(self.req_idx(req_id), self.ledger, capacity=max(64, num_new_tokens))
+                table = self.table_factory(self.req_idx(req_id), self.ledger, max(64, num_new_tokens))
                 state = _Request(table.req_id, table)
             self.requests[req_id] = state
         table = state.table
@@ -175,7 +158,7 @@ class VTokenTracker:
 
     @property
     def needs_scores(self) -> bool:
-        return self.settings.evicts and self.policy.needs_attention
+        return self.settings.evicts and self.eviction.policy.needs_attention
 
     def take_step_plan(self, scheduled_req_ids: list[str]) -> StepPlan:
         """Moves planned since the last step, lengths of the scheduled requests, truncations,
@@ -193,7 +176,7 @@ class VTokenTracker:
         truncations, self._truncations = self._truncations, {}
         score_req_ids = frozenset()
         if self.needs_scores:
-            score_req_ids = frozenset(r for r in scheduled_req_ids if self.requests[r].resume_evicted_ids is None)
+            score_req_ids = frozenset(r for r in scheduled_req_ids if self.requests[r].eviction.resume_token_ids is None)
         num_synced, self._num_synced = self._num_synced, {}
         live_slots, new_slots = {}, {}
         if self.settings.check_invariants:
@@ -237,35 +220,17 @@ class VTokenTracker:
             return
         if state.table.num_tokens != num_kv_tokens:
             raise VTokenError(f"request {req_id}: vLLM computed {num_kv_tokens} tokens, its table has {state.table.num_tokens}")
-        if state.resume_evicted_ids is not None:
-            victims, state.resume_evicted_ids = state.resume_evicted_ids, None
-            self._evict(req_id, state, victims, record=True, is_resume=True)
-            return
-        if num_output_tokens < state.next_eviction_at:
-            return
-        interval = self.settings.eviction.interval_tokens
-        state.next_eviction_at = (num_output_tokens // interval + 1) * interval
-        victims = self.policy.select_victims(self._view(state))
-        if victims.size:
-            self._evict(req_id, state, victims, record=True)
+        scores = None
+        if self.eviction.policy.needs_attention:
+            scores = lambda token_ids, num_tokens: (state.scores or AttentionStats(self.num_heads_layers)).of(token_ids)  # noqa: E731
+        event = self.eviction.decide(state.eviction, state.req_idx, state.table, num_output_tokens, scores)
+        if event is not None:
+            self._evict(req_id, state, event)
 
-    def _view(self, state: _Request) -> RequestView:
-        table = state.table
-        budget = self.settings.eviction.budget
-        num_tokens = table.num_tokens
-        token_ids = table.live_token_ids()
-        num_keep = budget.num_keep_tokens(num_tokens)
-        scores = (None, None, None)
-        if self.policy.needs_attention:
-            stats = state.scores or AttentionStats(self.num_heads_layers)
-            scores = stats.of(token_ids)
-        return RequestView(state.req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens,
-                           budget.num_recent_tokens, *scores)
-
-    def _evict(self, req_id: str, state: _Request, victims: np.ndarray, record: bool, is_resume: bool = False) -> None:
+    def _evict(self, req_id: str, state: _Request, event: EvictionEvent) -> None:
         table = state.table
         live_before = table.live_token_ids()
-        table.evict_tokens(victims)
+        table.evict_tokens(event.token_ids)
         moves = plan_compaction(table, self.settings.reclaim.mode)
         table.apply_moves(moves)
         num_dense_blocks = -(-table.num_live_tokens // self.block_size)
@@ -278,19 +243,17 @@ class VTokenTracker:
         if moves.num_moves:
             state.pending_src.append(self.vllm_id_of[moves.src_block_ids] * self.block_size + moves.src_offsets)
             state.pending_dst.append(self.vllm_id_of[moves.dst_block_ids] * self.block_size + moves.dst_offsets)
-            self.counters["tokens_moved"] += moves.num_moves
-            self.counters["relocation_events"] += 1
+            self.counters = self.counters.plus(tokens_moved=moves.num_moves, relocation_events=1)
         if self.settings.variant == "naive-evict":
             num_naive_blocks = max(naive_num_blocks(table), table.num_blocks)
             state.manager_offset = self.block_size * (-(-table.num_tokens // self.block_size) - num_naive_blocks)
         else:
             state.manager_offset = state.num_evicted_tokens
-        self.counters["tokens_evicted"] += int(victims.size)
-        self.counters["eviction_events"] += 1
-        if record and self.record_events:
-            state.events.append(EvictionEvent(table.num_tokens, np.sort(victims).astype(np.int64), is_resume))
+        self.counters = self.counters.plus(tokens_evicted=int(event.token_ids.size), eviction_events=1)
+        if self.record_events:
+            state.events.append(EvictionEvent(event.num_tokens, np.sort(event.token_ids).astype(np.int64), event.is_resume))
         if self.settings.check_invariants:
-            self._check(req_id, table, np.setdiff1d(live_before, victims))
+            self._check(req_id, table, np.setdiff1d(live_before, event.token_ids))
 
     def _check(self, req_id: str, table: TokenTable, expected_live: np.ndarray) -> None:
         try:
@@ -304,7 +267,7 @@ class VTokenTracker:
                 raise InvariantError("I3", f"request {req_id}: live tokens not dense after compaction; "
                                      "attention would read a dead slot")
         except InvariantError:
-            self.counters["invariant_violations"] += 1
+            self.counters = self.counters.plus(invariant_violations=1)
             raise
 
     # ---- release -------------------------------------------------------------------------------
@@ -324,7 +287,7 @@ class VTokenTracker:
 
     def blocks_released(self, req_id: str, num_blocks_kept: int, num_blocks_freed: int) -> None:
         self._truncations[req_id] = num_blocks_kept
-        self.counters["blocks_reclaimed"] += num_blocks_freed
+        self.counters = self.counters.plus(blocks_reclaimed=num_blocks_freed)
 
     def is_reclaim_step(self, step_idx: int, num_allocated_blocks: int) -> bool:
         """Stage 1 of the reclaimer: every k steps, when F over vLLM's blocks is at least theta_F."""
@@ -344,21 +307,20 @@ class VTokenTracker:
             self._req_idx_of.pop(req_id, None)
         if state is None:
             return
-        evicted = np.flatnonzero(~state.table.live)
-        if is_finished and state.resume_evicted_ids is not None and self.record_events:
+        if is_finished and state.eviction.resume_token_ids is not None and self.record_events:
             # It finished on the token its recompute sampled, before the re-eviction: that
             # token saw every token, which the recorded resume length tells the reference.
-            state.events.append(EvictionEvent(state.table.num_tokens, state.resume_evicted_ids, is_resume=True))
+            state.events.append(EvictionEvent(state.table.num_tokens, state.eviction.resume_token_ids, is_resume=True))
+        if not is_finished and self.settings.evicts:
+            self.eviction.on_preempt(state.eviction, state.table)
         self.ledger.free(np.asarray(state.table.release_all(), dtype=np.int64))
         if is_finished:
             if self.record_events:
                 self.finished_events[state.req_idx] = state.events
             return
-        self.counters["preemptions"] += 1
-        table = TokenTable(state.req_idx, self.ledger, capacity=max(64, state.table.num_tokens))
-        resumed = _Request(state.req_idx, table, state.next_eviction_at, events=state.events, scores=state.scores)
-        resumed.resume_evicted_ids = evicted if evicted.size else None
-        self._resumed[req_id] = resumed
+        self.counters = self.counters.plus(preemptions=1)
+        table = self.table_factory(state.req_idx, self.ledger, max(64, state.table.num_tokens))
+        self._resumed[req_id] = _Request(state.req_idx, table, state.eviction, events=state.events, scores=state.scores)
 
     def events_of(self, req_idx: int) -> list[EvictionEvent]:
         """Recorded evictions of a request by its integer id (the order requests were added)."""
@@ -372,4 +334,4 @@ class VTokenTracker:
     def stats(self, num_allocated_blocks: int) -> EngineStats:
         num_live = sum(s.table.num_live_tokens for s in self.requests.values())
         return EngineStats(self.settings.variant, len(self.requests), num_live, num_allocated_blocks,
-                           self.block_size, **self.counters)
+                           self.block_size, self.counters)

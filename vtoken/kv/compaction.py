@@ -1,8 +1,9 @@
-"""Compaction plans for a request in vLLM, whose attention reads slots 0..seq_len-1. Pure.
+"""Dense compaction: the planner for engines whose attention reads slots 0..seq_len-1 (vLLM). Pure.
 
-Stock vLLM kernels take a block table and a sequence length per request; none skips a slot. So
-after an eviction the live tokens of a request must be packed into the first positions of its
-block list before the next forward. A position is `index in block_ids_held * S + offset`:
+The reclaimer (reclaim.py) packs lazily, because the runtime's attention reads live slots
+through the token table. Stock vLLM kernels take a block table and a sequence length per
+request and skip no slot, so there, after an eviction, the live tokens of a request must be
+packed into the first positions of its block list before the next forward. A position is `index in block_ids_held * S + offset`:
 
     before (S = 4, 7 live):   [L . L L][. L . .][L L L .]      positions 0..11
     hole-fill:                [L L L L][L L L .][. . . .]      2 moves: 9 -> 1, 8 -> 4...
@@ -23,9 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import ConfigError
+from vtoken.kv.reclaim import RECLAIM_MODES
 from vtoken.kv.token_table import Moves, TokenTable
-
-COMPACTION_MODES = ("hole-fill", "ordered")
 
 
 def live_positions(table: TokenTable) -> tuple[np.ndarray, np.ndarray]:
@@ -42,8 +42,8 @@ def live_positions(table: TokenTable) -> tuple[np.ndarray, np.ndarray]:
 
 def plan_compaction(table: TokenTable, mode: str) -> Moves:
     """Moves that leave the live tokens exactly at positions 0..num_live-1. Mutates nothing."""
-    if mode not in COMPACTION_MODES:
-        raise ConfigError(f"unknown reclaim mode '{mode}'; choose one of: {', '.join(COMPACTION_MODES)}")
+    if mode not in RECLAIM_MODES:
+        raise ConfigError(f"unknown reclaim mode '{mode}'; choose one of: {', '.join(RECLAIM_MODES)}")
     if table.num_pinned_tokens:
         raise ConfigError(f"request {table.req_id}: compaction over a shared prefix is not supported "
                           "(run vLLM with prefix caching off)")

@@ -1,0 +1,103 @@
+"""When a request's policy runs and what it sees: one implementation for every executor.
+
+The runtime (sim, hf) and the vLLM scheduler (engine/vllm/tracker.py) both ask this module,
+so the same request gets the same decisions on every executor and in every variant:
+
+    after prefill          num_generated = 1: the policy runs on the prompt (+ first token)
+    every interval tokens  num_generated = k * interval_tokens
+    after a preemption     the request is recomputed from all its tokens; the tokens it had
+                           lost are evicted again right after the recompute, and the policy is
+                           not asked (a new decision at a new length would make a variant that
+                           preempts decide differently from one that does not)
+
+A request's table holds its KV: `num_tokens` = prompt + generated - 1 (the last sampled token
+has no KV yet). When an iteration fused several decode steps past the eviction point, the
+view is of the request as it was at that point: ids at or past its length then are hidden.
+
+The view hides the pinned shared prefix: its tokens are neither offered to the policy nor
+counted in what it must keep (`num_keep_tokens` is the budget minus the pinned tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from vtoken.engine.config import EvictionConfig
+from vtoken.engine.executor import TokenScores
+from vtoken.kv.token_table import TokenTable
+from vtoken.policies.base import EvictionPolicy, RequestView
+
+# (token_ids, num_tokens) -> scores of those ids at that length, for policies that need attention
+ScoreSource = Callable[[np.ndarray, int], TokenScores]
+
+
+@dataclass
+class EvictionClock:
+    """One request's place in the schedule. Mutable, owned by the engine's request state."""
+
+    next_eviction_at: int = 1  # evict when num_generated reaches this (1 = right after prefill)
+    resume_token_ids: np.ndarray | None = None  # evicted before a preemption: evict again on resume
+
+
+@dataclass(frozen=True)
+class EvictionEvent:
+    """Tokens a request loses when its KV holds `num_tokens` tokens (in the policy's order).
+
+    `num_tokens` is the KV length when the tokens are evicted: the queries from that position on
+    no longer read them. The policy may have decided on a shorter prefix (fused steps past the
+    eviction point, or a request that resumed past it).
+
+    `is_resume`: the request was preempted and recomputed, and the tokens it had lost were
+    evicted again at this length (not a new policy decision).
+    """
+
+    num_tokens: int
+    token_ids: np.ndarray
+    is_resume: bool = False
+
+
+class EvictionSchedule:
+    def __init__(self, config: EvictionConfig, policy: EvictionPolicy) -> None:
+        self.config = config
+        self.policy = policy
+
+    def is_due(self, clock: EvictionClock, num_generated: int) -> bool:
+        return clock.resume_token_ids is not None or num_generated >= clock.next_eviction_at
+
+    def decide(self, clock: EvictionClock, req_idx: int, table: TokenTable, num_generated: int,
+               scores: ScoreSource | None = None) -> EvictionEvent | None:
+        """The tokens to evict now, or None when nothing is due. Advances `clock`; the caller
+        evicts the returned ids from `table`. `scores` is needed only when the policy needs
+        attention."""
+        if clock.resume_token_ids is not None:
+            token_ids, clock.resume_token_ids = clock.resume_token_ids, None
+            return EvictionEvent(table.num_tokens, token_ids, is_resume=True)
+        if num_generated < clock.next_eviction_at:
+            return None
+        num_tokens = table.num_tokens - (num_generated - clock.next_eviction_at)
+        interval = self.config.interval_tokens
+        clock.next_eviction_at = (num_generated // interval + 1) * interval
+        victims = self.policy.select_victims(build_view(req_idx, table, self.config, num_tokens, scores))
+        if victims.size == 0:
+            return None
+        return EvictionEvent(table.num_tokens, victims)
+
+    def on_preempt(self, clock: EvictionClock, table: TokenTable) -> None:
+        """The request loses its KV and will be recomputed: remember what it had lost."""
+        evicted = table.evicted_token_ids()
+        clock.resume_token_ids = evicted if evicted.size else None
+
+
+def build_view(req_idx: int, table: TokenTable, config: EvictionConfig, num_tokens: int,
+               scores: ScoreSource | None) -> RequestView:
+    """The policy's view of a request at logical length `num_tokens` (<= table.num_tokens)."""
+    budget = config.budget
+    num_pinned = table.num_pinned_tokens
+    live_ids = table.live_token_ids()
+    token_ids = live_ids[(live_ids >= num_pinned) & (live_ids < num_tokens)]
+    num_keep = max(0, budget.num_keep_tokens(num_tokens) - num_pinned)
+    stats = scores(token_ids, num_tokens) if scores is not None else (None, None, None)
+    return RequestView(req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens, budget.num_recent_tokens, *stats)

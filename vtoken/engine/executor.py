@@ -1,0 +1,53 @@
+"""What the runtime asks of an executor: run (or cost) one step, score tokens for the policy.
+
+    executor.execute(batch, load) -> seconds the step took (measured) or would take (modelled)
+
+`StepLoad` is what one iteration asks of the hardware, counted by the runtime from the token
+tables; the sim turns it into a duration, a real executor runs the batch and measures it.
+An executor that advances several decode steps per iteration (`max_fused_steps > 1`) must also
+predict a step's duration (`StepCostModel`), so that fused steps never run past the next
+open-loop arrival.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vtoken.engine.scheduler import Batch
+
+TokenScores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (attention_sum, attention_last, importance_count)
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one engine iteration asks of the hardware."""
+
+    num_decode_steps: int  # fused decode steps in this iteration (>= 1)
+    num_live_kv_tokens: int  # live KV tokens read by attention at the first of those steps
+    num_decoding_requests: int  # each adds one live token per step
+    num_prefill_tokens: int  # prompt tokens computed in the first step
+    num_copied_tokens: int  # tokens relocated after this iteration's forward
+
+
+class Executor(Protocol):
+    name: str
+    max_fused_steps: int  # decode steps one `execute` may advance (1: one real forward per token)
+
+    def execute(self, batch: Batch, load: StepLoad) -> float:
+        """Run (or cost) the batch's forward; the step's duration in seconds."""
+
+    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> TokenScores:
+        """Scores of `token_ids` of a request as of logical length `num_tokens`, for the policy."""
+
+    def forget(self, req_idx: int) -> None:
+        """The request left the engine (finished or dropped): drop what is kept for it."""
+
+
+@runtime_checkable
+class StepCostModel(Protocol):
+    def iteration_time_s(self, load: StepLoad) -> float:
+        """The modelled duration of an iteration with this load."""
