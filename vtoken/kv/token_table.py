@@ -230,6 +230,10 @@ class TokenTable:
 
         `new_block_ids` are freshly allocated blocks for what overflows the tail, exactly
         `num_new_blocks_needed(num_tokens - self.num_tokens)` of them.
+
+        A decode step (one token) is inlined here, because it runs once per request per step
+        and a further call would cost as much as the rest of it; anything else, and any
+        wrong block count, goes through `_sync_many`.
         """
         token_id = self.num_tokens
         if num_tokens == token_id + 1:  # a decode step: Python integers and one array store
@@ -258,7 +262,11 @@ class TokenTable:
                 self.num_tokens = num_tokens
                 self.tail_num_written = cursor + 1
                 return  # the layout a plan reads (every block but the open tail) did not change
-        new_block_ids = np.asarray(new_block_ids, dtype=np.int64)
+        self._sync_many(np.asarray(new_block_ids, dtype=np.int64), num_tokens)
+
+    def _sync_many(self, new_block_ids: np.ndarray, num_tokens: int) -> None:
+        """`sync_new_tokens` for a prefill, several fused steps, or a call to refuse."""
+        token_id = self.num_tokens
         num_new_tokens = num_tokens - token_id
         if num_new_tokens < 0:
             raise VTokenError(f"request {self.req_id}: length went back from {token_id} to {num_tokens}")
