@@ -2,13 +2,12 @@
 
     def step(self):
         batch = self.schedule()                       # arrivals, admission, growth, preemption
-        duration_s = self.executor.run(...)           # the forward (or its cost)
+        duration_s = self.execute(batch)              # the executor runs (or costs) the forward
         self.postprocess(batch, duration_s)           # tokens, finishes, eviction, reclamation
 
-Eviction decisions are identical across variants: a request runs the policy right after its
-prefill and every `interval_tokens` generated tokens, on its state at that exact length (if an
-iteration fuses several decode steps, tokens past that length are hidden from the view). Only
-what happens to memory afterwards differs:
+Eviction decisions are identical across variants and executors: when a request's policy runs
+and what it sees come from `engine/eviction.py`, which the vLLM scheduler asks too. Only what
+happens to memory afterwards differs:
 
     native       no eviction
     naive-evict  dead tokens are skipped; a block is freed only when all its tokens are dead
