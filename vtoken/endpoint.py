@@ -11,6 +11,13 @@ is the usual case): `kv_cache_usage` is the mean over engines (each engine owns 
 same size, so the mean is the fraction of all blocks in use); request and preemption counts are
 summed; `CacheConfig` comes from the lowest-numbered engine, so `num_gpu_blocks` is per engine.
 A note says so whenever there is more than one engine.
+
+The workload series (`vllm:request_prompt_tokens` and `vllm:request_generation_tokens`
+histograms, the success, token and prefix-cache counters, the running and waiting gauges) are
+kept per engine, unaggregated, in `ServerMetrics.engines`: `vtoken.audit.workload` derives the
+deployment's workload from them. A missing or malformed histogram is not an error here (an
+audit given a trace does not need it); `EngineCounters.histogram_problems` says what is wrong,
+and the workload derivation raises with it when it needs that histogram.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from statistics import fmean
 from urllib.parse import unquote, urlsplit
 
@@ -37,6 +46,8 @@ MAX_BODY_BYTES = 64 << 20
 _READ_CHUNK_BYTES = 1 << 16
 _VTOKEN_PREFIXES = ("vtoken_", "vtoken:")
 _MAX_CAUSE_CHARS = 160
+PROMPT_TOKENS_HISTOGRAM = "vllm:request_prompt_tokens"
+GENERATION_TOKENS_HISTOGRAM = "vllm:request_generation_tokens"
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,37 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """One engine's Prometheus histogram: `cumulative_counts[i]` observations were at most
+    `upper_bounds[i]`; bounds ascend and the last is +inf. Checked: counts never fall, the +Inf
+    bucket holds `count`."""
+
+    upper_bounds: tuple[float, ...]
+    cumulative_counts: tuple[float, ...]
+    total: float  # the `_sum` series: exact
+    count: float  # the `_count` series: exact
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """One engine's workload series in one scrape; counters count since the server started."""
+
+    engine: str  # the `engine` label; "" when the samples carry none
+    prompt_tokens: Histogram | None  # vllm:request_prompt_tokens, tokens per finished request
+    generation_tokens: Histogram | None  # vllm:request_generation_tokens
+    # histogram name -> why it is None (absent, or malformed: which bucket and how), one line each
+    histogram_problems: Mapping[str, str]
+    num_requests_by_reason: Mapping[str, float]  # vllm:request_success_total by finished_reason
+    num_prompt_tokens: float | None  # vllm:prompt_tokens_total
+    num_generation_tokens: float | None  # vllm:generation_tokens_total
+    num_prefix_cache_queries: float | None  # vllm:prefix_cache_queries_total, tokens looked up
+    num_prefix_cache_hits: float | None  # vllm:prefix_cache_hits_total, tokens found
+    num_requests_running: float | None
+    num_requests_waiting: float | None
+    e2e_latency_s_total: float | None  # vllm:e2e_request_latency_seconds_sum (Little's law)
+
+
+@dataclass(frozen=True)
 class ServerMetrics:
     """The load-related values of one scrape, aggregated over engines (see the module docstring)."""
 
@@ -68,6 +110,7 @@ class ServerMetrics:
     num_preemptions: float | None
     vtoken_metrics: dict[str, float]
     notes: tuple[str, ...]
+    engines: tuple[EngineCounters, ...] = ()  # per engine, in engine order (module docstring)
 
 
 @dataclass(frozen=True)
@@ -80,6 +123,9 @@ class LiveState:
     cache_config: CacheConfig
     metrics: ServerMetrics
     notes: tuple[str, ...]  # the metrics' notes and the scrape's own
+    # time.monotonic() when the /metrics body had arrived: two scrapes' counters over this delta
+    # give rates
+    scraped_at_s: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -114,6 +160,7 @@ def scrape(url: str, timeout_s: float = 5.0) -> LiveState:
     deadline = time.monotonic() + timeout_s
     metrics_url = target.base_url + "/metrics"
     text = _decode_text(_fetch(target, "/metrics", deadline, timeout_s), metrics_url)
+    scraped_at_s = time.monotonic()
     cache_config, metrics = parse_metrics(text, metrics_url)
     model_name, max_model_len, models_note = _read_models(target, deadline, timeout_s)
     notes = metrics.notes
@@ -127,6 +174,7 @@ def scrape(url: str, timeout_s: float = 5.0) -> LiveState:
         cache_config=cache_config,
         metrics=metrics,
         notes=notes,
+        scraped_at_s=scraped_at_s,
     )
 
 
@@ -202,7 +250,80 @@ def _server_metrics(samples: list[Sample], engines: list[str]) -> ServerMetrics:
         num_preemptions=_sum(_values(samples, "vllm:num_preemptions_total")),
         vtoken_metrics=_vtoken_metrics(samples, keep_engine=len(engines) > 1),
         notes=tuple(notes),
+        engines=tuple(_engine_counters(samples, engine) for engine in engines or [""]),
     )
+
+
+# ---- the workload series, per engine ---------------------------------------------------------------
+
+
+def _engine_counters(samples: list[Sample], engine: str) -> EngineCounters:
+    """The workload series of `engine` ("": samples without an engine label, a one-engine server)."""
+    mine = [s for s in samples if s.labels.get("engine", "") == engine]
+    histograms: dict[str, Histogram | None] = {}
+    problems: dict[str, str] = {}
+    for name in (PROMPT_TOKENS_HISTOGRAM, GENERATION_TOKENS_HISTOGRAM):
+        histograms[name], problem = _histogram(mine, name)
+        if problem is not None:
+            problems[name] = problem
+    by_reason: dict[str, float] = {}
+    for sample in mine:
+        if sample.name == "vllm:request_success_total":
+            reason = sample.labels.get("finished_reason", "")
+            by_reason[reason] = by_reason.get(reason, 0.0) + float(sample.value)
+    return EngineCounters(
+        engine=engine,
+        prompt_tokens=histograms[PROMPT_TOKENS_HISTOGRAM],
+        generation_tokens=histograms[GENERATION_TOKENS_HISTOGRAM],
+        histogram_problems=problems,
+        num_requests_by_reason=by_reason,
+        num_prompt_tokens=_sum(_values(mine, "vllm:prompt_tokens_total")),
+        num_generation_tokens=_sum(_values(mine, "vllm:generation_tokens_total")),
+        num_prefix_cache_queries=_sum(_values(mine, "vllm:prefix_cache_queries_total")),
+        num_prefix_cache_hits=_sum(_values(mine, "vllm:prefix_cache_hits_total")),
+        num_requests_running=_sum(_values(mine, "vllm:num_requests_running")),
+        num_requests_waiting=_sum(_values(mine, "vllm:num_requests_waiting")),
+        e2e_latency_s_total=_sum(_values(mine, "vllm:e2e_request_latency_seconds_sum")),
+    )
+
+
+def _histogram(samples: list[Sample], name: str) -> tuple[Histogram | None, str | None]:
+    """(histogram, None), or (None, why not) for an absent or malformed series."""
+    buckets: dict[float, float] = {}
+    for sample in samples:
+        if sample.name != name + "_bucket":
+            continue
+        try:
+            bound = float(sample.labels["le"])
+        except (KeyError, ValueError):
+            return None, f"a {name}_bucket sample has no numeric le label: {_short(sample.labels)}"
+        if bound in buckets:
+            return None, f"{name}_bucket has le={_bound(bound)} twice (two series in one engine?)"
+        buckets[bound] = float(sample.value)
+    sums, counts = _values(samples, name + "_sum"), _values(samples, name + "_count")
+    if not buckets and not sums and not counts:
+        return None, f"no {name} histogram (no _bucket, _sum or _count series)"
+    if not buckets or len(sums) != 1 or len(counts) != 1:
+        return None, (f"{name} is incomplete: {len(buckets)} buckets, {len(sums)} _sum and "
+                      f"{len(counts)} _count series (one _sum and one _count expected)")
+    bounds = sorted(buckets)
+    cumulative = [buckets[b] for b in bounds]
+    if bounds[-1] != math.inf:
+        return None, f"{name} has no le=\"+Inf\" bucket"
+    for idx in range(len(bounds)):
+        below = cumulative[idx - 1] if idx else 0.0
+        if cumulative[idx] < below or not math.isfinite(cumulative[idx]):
+            return None, (f"{name}_bucket{{le=\"{_bound(bounds[idx])}\"}} is {cumulative[idx]:g}, below the "
+                          f"{below:g} of the bucket before it (cumulative counts cannot fall)")
+    if cumulative[-1] != counts[0]:
+        return None, f"{name}: the +Inf bucket holds {cumulative[-1]:g}, _count says {counts[0]:g}"
+    if not math.isfinite(sums[0]) or sums[0] < 0:
+        return None, f"{name}_sum is {sums[0]:g}"
+    return Histogram(tuple(bounds), tuple(cumulative), sums[0], counts[0]), None
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == math.inf else f"{bound:g}"
 
 
 def _vtoken_metrics(samples: list[Sample], keep_engine: bool) -> dict[str, float]:
