@@ -16,6 +16,17 @@ from pathlib import Path
 
 import vtoken
 from vtoken.audit.settings import DEFAULT_TIMEOUT_S, Overrides, Settings, load_settings, lookup_gpu, parse_budget
+from vtoken.defaults import (  # the names vtoken.audit has always exported
+    BLOCK_SIZE as DEFAULT_BLOCK_SIZE,
+    BUDGET as DEFAULT_BUDGET,
+    CONCURRENCY as DEFAULT_CONCURRENCY,
+    EVICTION_INTERVAL_TOKENS as DEFAULT_INTERVAL_TOKENS,
+    FRONTIER_MAX_CONCURRENCY as DEFAULT_FRONTIER_MAX_CONCURRENCY,
+    GPU as DEFAULT_GPU,
+    GPU_MEMORY_UTILIZATION as DEFAULT_GPU_MEMORY_UTILIZATION,
+    SAMPLE_TRACE,
+    SEED,
+)
 from vtoken.endpoint import OLD_SERVER_HINT, LiveState, redact_url, scrape
 from vtoken.errors import ConfigError, EndpointError
 from vtoken.hardware import GiB, GpuSpec, num_blocks_for_gpu
@@ -24,14 +35,6 @@ from vtoken.policies import DEFAULT_AUDIT_POLICIES
 from vtoken.policies.base import Budget
 from vtoken.trace import Trace, load_trace
 
-SAMPLE_TRACE = "azure_conv_sample.csv"
-DEFAULT_GPU = "h100-80gb"
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_BUDGET = "50%"
-DEFAULT_INTERVAL_TOKENS = 32
-DEFAULT_CONCURRENCY = 16
-DEFAULT_FRONTIER_MAX_CONCURRENCY = 64
 # vLLM fills gpu_memory_utilization x memory with weights, KV and a reserve (activations, CUDA
 # graphs, workspaces); num_gpu_blocks beside a GPU is contradictory outside this reserve range.
 MAX_RESERVE_BYTES = 8 * GiB
@@ -66,7 +69,7 @@ class Deployment:
     interval_tokens: int
     workload: Workload
     frontier_max_concurrency: int = DEFAULT_FRONTIER_MAX_CONCURRENCY
-    seed: int = 0
+    seed: int = SEED
     notes: tuple[str, ...] = ()
 
     @property

@@ -1,0 +1,75 @@
+"""Every default of vtoken's commands and library entry points, written once.
+
+Pure constants: this module imports nothing, so the CLI can build its `--help` from it without
+torch, and any layer may read it. Where one command's default differs from another's, each has
+its own name here and a comment saying why; changing a value here changes results (the golden
+CLI tests pin them).
+"""
+
+# ---- what is simulated -------------------------------------------------------------------------
+
+MODEL = "llama-3.1-8b"  # a catalog name of vtoken.model_spec.MODELS
+GPU = "h100-80gb"  # a catalog name of vtoken.hardware.GPUS
+GPU_MEMORY_UTILIZATION = 0.9  # share of GPU memory for weights + KV: vLLM's gpu_memory_utilization default
+BLOCK_SIZE = 16  # tokens per KV block: vLLM's default on CUDA
+# vLLM's CPU attention kernels need a block size that is a multiple of 32: the default of
+# `vtoken serve`, the vLLM settings and `check-invariants --executor vllm`.
+VLLM_BLOCK_SIZE = 32
+
+# ---- eviction ----------------------------------------------------------------------------------
+
+POLICY = "h2o"  # a name of vtoken.policies.POLICIES
+# Inside vLLM (`vtoken serve`, additional_config): a policy that needs no attention scores, so
+# that it runs on any attention backend (the score wrapper exists for the CPU backend only).
+VLLM_POLICY = "streaming_llm"
+BUDGET = "50%"  # tokens each request keeps, as vtoken.policies.base.Budget.parse reads it
+NUM_SINK_TOKENS = 4  # protected first tokens
+NUM_RECENT_TOKENS = 64  # protected most recent tokens
+EVICTION_INTERVAL_TOKENS = 32  # the policy runs after prefill and every this many generated tokens
+
+# ---- reclamation -------------------------------------------------------------------------------
+
+RECLAIM_MODE = "hole-fill"  # a name of vtoken.kv.reclaim.RECLAIM_MODES
+THETA_F = 0.25  # reclaim only when the pool's waste ratio F is at least this
+# check-invariants: low, so that many relocations run and every one of them is checked.
+CHECK_THETA_F = 0.05
+RECLAIM_INTERVAL_STEPS = 4  # reclaim eligibility is checked every this many engine iterations
+# check-invariants: every iteration, so that as many relocations as possible run and are checked.
+CHECK_RECLAIM_INTERVAL_STEPS = 1
+# Inside vLLM: every iteration; a compaction runs after every eviction there anyway, and this
+# only gates handing the blocks it emptied back to vLLM's pool.
+VLLM_RECLAIM_INTERVAL_STEPS = 1
+
+# ---- load --------------------------------------------------------------------------------------
+
+CONCURRENCY = 16  # closed-loop clients of `compare`'s headline run and of `audit`
+# check-invariants: fewer clients; its default block budget is sized from the `concurrency`
+# largest requests, so a smaller batch keeps the pool small and every checked run short.
+CHECK_CONCURRENCY = 8
+CONCURRENCIES = (1, 2, 4, 8, 12, 16, 22, 32, 48)  # of `compare`'s sweep and capacity frontier
+FRONTIER_MAX_CONCURRENCY = 64  # largest concurrency `audit`'s capacity search tries
+
+# ---- SLA ---------------------------------------------------------------------------------------
+
+SLA_METRIC = "e2e"  # the latency the SLA is set on: e2e, ttft or tpot
+SLA_FACTOR = 1.05  # SLA = factor x naive-evict p95 at the reference concurrency
+SLA_REF_CONCURRENCY = 8  # the reference concurrency C_ref of the SLA
+
+# ---- runs --------------------------------------------------------------------------------------
+
+EXECUTOR = "sim"  # the cost model: no model weights, any trace length
+TRACE_FORMAT = "auto"  # detected from the file (vtoken.trace.detect_format)
+SEED = 0
+REPEATS = 1
+# In sample_traces/: what `audit` and `check-invariants --executor vllm` replay when given no trace.
+SAMPLE_TRACE = "azure_conv_sample.csv"
+SCRAPE_TIMEOUT_S = 5.0  # how long reading a server's /metrics and /v1/models may take
+
+# ---- vtoken serve ------------------------------------------------------------------------------
+
+VARIANT = "vtoken"  # what `vtoken serve` and a vLLM engine given no variant run
+
+SERVE_HOST = "127.0.0.1"
+SERVE_PORT = 8000
+SERVE_KV_CACHE_BYTES = 1 << 30  # vLLM's --kv-cache-memory-bytes: 1 GiB, enough for a small model on CPU
+SERVE_DTYPE = "auto"
