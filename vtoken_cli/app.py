@@ -1,20 +1,28 @@
-"""The `vtoken` command: audit, compare and check-invariants.
+"""The `vtoken` command: builds the typer app and registers the commands of vtoken_cli/commands/.
 
-Each command parses options, builds a config, calls one library function and renders what it
-returns. `command` below is the single place where a `VTokenError` becomes a one-line message
-on stderr and exit code 2; anything else is a bug and keeps its traceback.
+Every command is wrapped in `console.one_line_errors` here, the single place where a
+`VTokenError` becomes a one-line message on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from importlib.metadata import version
+from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
-from vtoken.errors import VTokenError
+from vtoken_cli.commands.audit import audit_command
+from vtoken_cli.commands.check import check_command
+from vtoken_cli.commands.compare import compare_command
+from vtoken_cli.commands.serve import serve_command_line
+from vtoken_cli.console import one_line_errors, stdout
+
+COMMANDS = {
+    "audit": audit_command,
+    "check-invariants": check_command,
+    "compare": compare_command,
+    "serve": serve_command_line,
+}
 
 app = typer.Typer(
     name="vtoken",
@@ -23,36 +31,25 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+for name, func in COMMANDS.items():
+    app.command(name)(one_line_errors(func))
+
+
+def _print_version(is_given: bool) -> None:
+    if is_given:
+        stdout.print(f"vtoken {version('vtoken')}", highlight=False, markup=False)
+        raise typer.Exit()
+
 
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: Annotated[bool, typer.Option(
+        "--version", help="Print the version and exit.", callback=_print_version, is_eager=True)] = False,
+) -> None:
     """vtoken: token-level KV eviction diagnostics for paged KV caches (vLLM and similar engines)."""
 
 
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
-
-
-def command(name: str) -> Callable:
-    """Register a command whose `VTokenError`s end as one red line and exit code 2."""
-
-    def decorate(func: Callable) -> Callable:
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            try:
-                return func(*args, **kwargs)
-            except VTokenError as exc:
-                stderr.print(Text.assemble(("error: ", "bold red"), str(exc)), highlight=False)
-                raise typer.Exit(2) from None
-
-        return app.command(name)(wrapper)
-
-    return decorate
-
-
 def main() -> None:
-    app()
-
-
-from vtoken_cli import cmd_audit, cmd_check, cmd_compare, cmd_serve  # noqa: E402,F401  (each registers its command)
+    app(prog_name="vtoken")

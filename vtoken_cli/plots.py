@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from vtoken.audit import PolicyAudit, policy_title  # noqa: E402
 from vtoken.compare import CompareReport  # noqa: E402
-from vtoken_cli.render import BIN_LABELS  # noqa: E402
+from vtoken_cli.render.common import BIN_LABELS  # noqa: E402
 
 BIN_CENTERS = [f"{10 * i}-{10 * (i + 1)}" for i in range(10)]
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from vtoken.engine.vllm.run import VllmCheckReport, VllmViolation
 from vtoken_cli.app import app
-from vtoken_cli.cmd_check_vllm import vllm_check_report
+from vtoken_cli.render.check import vllm_check_report
 
 VLLM_PRESENT = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("vllm.v1") is not None
 runner = CliRunner()

@@ -20,7 +20,7 @@ from vtoken.kv.reclaim import ReclaimConfig  # noqa: E402
 from vtoken.model_spec import resolve_model  # noqa: E402
 from vtoken.policies.base import Budget  # noqa: E402
 from vtoken.trace import load_trace  # noqa: E402
-from vtoken_cli import render  # noqa: E402
+from vtoken_cli.render.compare import compare_report  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 LENGTHS = [(60, 40), (90, 50), (40, 60), (120, 30), (70, 45), (50, 55)]
@@ -53,7 +53,7 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
     assert payload["variants"]["vtoken"]["tokens_moved"] > 0
     # the CLI's renderer takes the report as it takes a sim report without sweep and frontier
     console = Console(file=io.StringIO(), width=160)
-    console.print(render.compare_report(report, False))
+    console.print(compare_report(report, False))
     assert "vtoken" in console.file.getvalue()
 
 

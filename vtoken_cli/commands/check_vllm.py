@@ -1,6 +1,6 @@
 """`vtoken check-invariants --executor vllm`: the checks run inside vLLM's scheduler and worker
 (vtoken.engine.vllm.run.check_invariants_on_vllm); this module cuts the trace down, injects a
-fault where asked, and renders the report or its `--json` object."""
+fault where asked, and prints render/check.py's `vllm_check_report` or the `--json` object."""
 
 from __future__ import annotations
 
@@ -10,23 +10,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
+from vtoken import defaults
 from vtoken.checker_names import FAULT_DETECTED_BY, INVARIANT_NAMES, TraceLimits
-from vtoken.engine.vllm.run import CHECK_RUNS, VllmCheckReport
+from vtoken.engine.vllm.run import VllmCheckReport
 from vtoken.errors import ConfigError
 from vtoken.trace import load_trace
-from vtoken_cli.app import stderr, stdout
-from vtoken_cli.cmd_check import fault_line, parse_policies
+from vtoken_cli.commands.check import parse_policies
+from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import build_run_config, require_vllm
 from vtoken_cli.output import progress_bar
+from vtoken_cli.render.check import VLLM_INVARIANTS, VLLM_NO_I4, vllm_check_report
 
 if TYPE_CHECKING:
     from vtoken.checker import Fault
 
-VLLM_DEFAULT_TRACE = "azure_conv_sample.csv"
 VLLM_LIMITS = TraceLimits(max_requests=6, max_prompt_tokens=192, max_output_tokens=48)
 
 
@@ -41,15 +39,16 @@ def check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, conc
     from vtoken.checker import bundled_sample_traces, scale_requests
     from vtoken.engine.vllm.run import check_invariants_on_vllm
 
-    path = trace or next(p for p in bundled_sample_traces() if p.name == VLLM_DEFAULT_TRACE)
+    path = trace or next(p for p in bundled_sample_traces() if p.name == defaults.SAMPLE_TRACE)
     loaded = load_trace(path)
     limits = replace(VLLM_LIMITS, max_requests=max_requests or VLLM_LIMITS.max_requests)
     requests, cut = scale_requests(loaded.requests, limits)
     loaded = replace(loaded, requests=requests)
     config = build_run_config(
-        model=str(Path(model).expanduser() / "config.json"), gpu="h100-80gb", num_blocks=num_blocks,
-        gpu_mem_util=0.9, block_size=block_size or 32, policy=parse_policies(policy)[0], budget=budget,
-        eviction_interval=eviction_interval, reclaim_mode="hole-fill", theta_f=theta_f, concurrency=concurrency,
+        model=str(Path(model).expanduser() / "config.json"), gpu=defaults.GPU, num_blocks=num_blocks,
+        gpu_mem_util=defaults.GPU_MEMORY_UTILIZATION, block_size=block_size or defaults.VLLM_BLOCK_SIZE,
+        policy=parse_policies(policy)[0], budget=budget, eviction_interval=eviction_interval,
+        reclaim_mode=defaults.RECLAIM_MODE, theta_f=theta_f, concurrency=concurrency,
         seed=seed, sim_profile=None,
     )
     with progress_bar(stderr, 40) as bar:
@@ -77,17 +76,6 @@ def _vllm_fault(kind: str | None) -> Fault | None:
     return fault
 
 
-VLLM_INVARIANTS = ("I1", "I2", "I3")
-VLLM_CHECK_UNITS = {
-    "I1": "live ids after an eviction, or a step's KV copies read back byte for byte",
-    "I2": "a scan of all tables and the pool after an eviction",
-    "I3": "dense live layout after an eviction, what one request reads and writes in one forward, "
-          "or a step's copies landed before its forward",
-}
-VLLM_NO_I4 = ("I4 has nothing to check on vLLM: a compaction is applied when it is planned, and with prefix "
-              "caching off no block is shared")
-
-
 def _vllm_payload(report: VllmCheckReport, path: Path, policy: str, notes: list[str]) -> dict:
     """The `--json` object of `--executor vllm`."""
     violation = report.violation
@@ -108,40 +96,3 @@ def _vllm_payload(report: VllmCheckReport, path: Path, policy: str, notes: list[
         },
         "runs": report.runs,
     }
-
-
-def vllm_check_report(report: VllmCheckReport, trace_name: str, policy: str, notes: list[str]) -> Group:
-    """Header, the invariant table, the violation and the fault line, the verdict."""
-    violation = report.violation
-    header = Text(f"checked on vLLM: {trace_name}; policy {policy}; naive-evict and vtoken x hole-fill and ordered, "
-                  "every check inside vLLM's scheduler and worker" + "".join(f"\nnote: {n}" for n in notes))
-    caption = "; ".join(f"{name}: {unit}" for name, unit in VLLM_CHECK_UNITS.items())
-    table = Table(title="Invariants", title_justify="left", caption=f"one check = {caption}. {VLLM_NO_I4}",
-                  caption_justify="left")
-    for column in ("", "invariant", "checked", "violations", "first violation"):
-        table.add_column(column, justify="right" if column in ("checked", "violations") else "left")
-    for name in VLLM_INVARIANTS:
-        failed = violation is not None and violation.invariant == name
-        first = "-" if not failed else (
-            (f"vLLM block {violation.block_id}, offset {violation.offset} " if violation.block_id is not None else "")
-            + f"({violation.run})")
-        table.add_row(Text("✗", style="bold red") if failed else Text("✓", style="bold green"),
-                      f"{name} {INVARIANT_NAMES[name]}", f"{report.num_checks.get(name, 0):,}",
-                      Text(str(int(failed)), style="red" if failed else ""), first)
-    parts: list[RenderableType] = [header, table]
-    if violation is not None:
-        parts.append(Text(violation.message, style="red"))
-    if report.fault is not None:
-        parts.append(fault_line(report.fault, report.num_faults_injected, [violation.invariant] if violation else []))
-    parts.append(_vllm_verdict(report))
-    return Group(*parts)
-
-
-def _vllm_verdict(report: VllmCheckReport) -> Text:
-    counts = (f"{report.num_evictions_checked:,} evictions and {report.num_copies_verified:,} relocations checked "
-              f"in {len(report.runs)} of {len(CHECK_RUNS)} runs, {report.elapsed_s:.1f} s")
-    violation = report.violation
-    if violation is None:
-        return Text.assemble(("PASSED ", "bold green"), f"I1-I3 held on every check: {counts}")
-    return Text.assemble(("FAILED ", "bold red"), f"{violation.invariant} violated in {violation.run}; the check "
-                         f"stopped there (a violation is raised inside vLLM's step): {counts}")

@@ -1,9 +1,7 @@
-"""rich renderables for the reports: those of `vtoken compare`, and the utilization histogram and
-the definitions table the other commands share. Renders what the library computed; computes no metric."""
+"""rich renderables of `vtoken compare`: the header, the memory and performance tables, the
+histograms, the sweep and the frontier; `hf_report` for the measured run of `--executor hf`."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from rich.console import Group
 from rich.panel import Panel
@@ -12,9 +10,7 @@ from rich.text import Text
 
 from vtoken.compare import CompareReport
 from vtoken.hardware import GiB
-
-BAR_WIDTH = 24
-BIN_LABELS = [f"{10 * i:>3}-{10 * (i + 1)}%" for i in range(10)]
+from vtoken_cli.render.common import definitions_table, histogram
 
 DEFINITIONS = (
     ("F (waste ratio)", "1 - live tokens / (allocated blocks x S), time-weighted (Eq. 1)"),
@@ -28,17 +24,6 @@ DEFINITIONS = (
     ("SLA", "factor x Naive-Evict p95 at C_ref; C_sel = highest-throughput C within it"),
     ("frontier", "C requests resident at t=0; feasible when peak block demand <= budget"),
 )
-
-
-def histogram(values: Sequence[float], title: str) -> Table:
-    """A 10-bin utilization histogram drawn with unicode bars (values are fractions)."""
-    table = Table(title=title, show_header=False, box=None, pad_edge=False)
-    peak = max(max(values), 1e-12)
-    for label, value in zip(BIN_LABELS, values):
-        filled = value / peak * BAR_WIDTH
-        bar = "█" * int(filled) + ("▌" if filled - int(filled) >= 0.5 else "")
-        table.add_row(label, Text(bar.ljust(BAR_WIDTH), style="cyan"), f"{100 * value:5.1f}%")
-    return table
 
 
 def histograms_side_by_side(report: CompareReport) -> Table:
@@ -147,17 +132,40 @@ def header_panel(report: CompareReport) -> Panel:
     return Panel("\n".join(lines), title="vtoken compare (sim executor)", title_align="left")
 
 
-def definitions_table(definitions: Sequence[tuple[str, str]] = DEFINITIONS, title: str = "Definitions") -> Table:
-    """(name, definition) rows under `title`; by default those of `vtoken compare`."""
-    table = Table(title=title, title_justify="left", show_header=False, box=None)
-    for name, text in definitions:
-        table.add_row(Text(name, style="bold"), text)
-    return table
-
-
 def compare_report(report: CompareReport, explain: bool) -> Group:
     parts = [header_panel(report), summary_tables(report), histograms_side_by_side(report), sweep_table(report),
              frontier_table(report)]
     if explain:
-        parts.append(definitions_table())
+        parts.append(definitions_table(DEFINITIONS, "Definitions"))
+    return Group(*parts)
+
+
+def hf_report(report: CompareReport, explain: bool) -> Group:
+    """The measured run: the memory figures next to speed and quality, then the usual tables."""
+    hf = report.hf
+    cfg = report.config
+    lines = [f"trace {report.trace.source} ({report.trace.format}, {len(report.trace.requests)} requests)",
+             f"model {hf.model} (transformers, {cfg.model.kv_bytes_per_token} KV bytes/token); "
+             f"{cfg.num_blocks} blocks of {cfg.block_size} tokens",
+             f"policy {cfg.eviction.policy}, {cfg.eviction.budget.describe()}, every {cfg.eviction.interval_tokens} tokens; "
+             f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}{budget_phrase(cfg)}); {arrivals_phrase(cfg)}; seed {cfg.seed}"]
+    lines += [f"note: {n}" for n in report.trace.notes]
+    if hf.naive_vs_vtoken is not None:
+        a = hf.naive_vs_vtoken
+        lines.append(f"naive-evict vs vtoken (same eviction decisions): identical tokens in {a.num_identical}/{a.num_requests} "
+                     f"requests, max |Δ logprob| {a.max_abs_logprob_diff:.2e}")
+    table = Table(title="Measured on the model (memory | speed | quality vs native)", title_justify="left")
+    for column in ("variant", "F", "peak blocks", "mem util", "tok/s", "ms/token", "x native", "engine wall s",
+                   "ROUGE-L", "length ratio"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for name, run in report.runs.items():
+        speed, quality = hf.speed[name], hf.quality.get(name)
+        table.add_row(name, f"{run.waste_ratio:.3f}", str(run.peak_allocated_blocks), f"{100 * run.memory_utilization:.1f}%",
+                      f"{speed.tok_s:.1f}", f"{1000 * speed.per_token_latency_s:.1f}", f"{speed.ratio_to_native:.2f}",
+                      f"{speed.engine_wall_s:.1f}", f"{quality.rouge_l_f1:.3f}" if quality else "-",
+                      f"{quality.length_ratio:.2f}" if quality else "-")
+    parts = [Panel("\n".join(lines), title="vtoken compare (hf executor)", title_align="left"), table,
+             summary_tables(report), histograms_side_by_side(report)]
+    if explain:
+        parts.append(definitions_table(DEFINITIONS, "Definitions"))
     return Group(*parts)

@@ -1,85 +1,16 @@
-"""`vtoken audit DEPLOYMENT`: the KV memory token-level eviction would trap on a deployment (a
-TOML file or a running vLLM server), per policy, and what vToken would recover.
-
-The command parses flags into `Overrides`, calls `vtoken.audit.audit` and renders the report;
-the renderables below show what the library computed and compute no metric.
-"""
+"""rich renderables of `vtoken audit`: the deployment, the live server, the workload, waste per
+policy and per variant, the histograms, the definitions and the verdict."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from vtoken.audit import (
-    AUDIT_VARIANTS, DEFINITIONS, AuditReport, Overrides, PolicyAudit, audit, policy_title, report_rows, report_to_json,
-)
-from vtoken.errors import ConfigError
+from vtoken.audit import AUDIT_VARIANTS, DEFINITIONS, AuditReport, PolicyAudit, policy_title
 from vtoken.hardware import GiB
-from vtoken.policies import POLICIES
-from vtoken.trace import TRACE_FORMATS
-from vtoken_cli.app import command, stderr, stdout
-from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
-from vtoken_cli.render import definitions_table, histogram
-
-
-@command("audit")
-def audit_command(
-    deployment: Annotated[str, typer.Argument(
-        help="A deployment TOML file, or the http(s):// URL of a running vLLM server.", metavar="DEPLOYMENT",
-        show_default=False)],
-    model: Annotated[Optional[str], typer.Option(help="Catalog model name (or HF id); supplies or replaces the deployment's.")] = None,
-    model_config: Annotated[Optional[Path], typer.Option(help="An HF config.json giving the model's KV geometry.")] = None,
-    gpu: Annotated[Optional[str], typer.Option(help="Catalog GPU of the cost model (step times): h100-80gb, h200, a100-80gb, l40s.")] = None,
-    block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV block (replaces the server's or the TOML's).")] = None,
-    num_blocks: Annotated[Optional[int], typer.Option(help="KV block budget (replaces the server's or the TOML's).")] = None,
-    policy: Annotated[Optional[list[str]], typer.Option(help=f"Policy to audit, repeatable: {', '.join(POLICIES)}. Default: h2o, streaming_llm, scissorhands, random.")] = None,
-    budget: Annotated[Optional[str], typer.Option(help="Tokens each request keeps: '50%', '0.5' or '512'. Default 50%.")] = None,
-    trace: Annotated[Optional[Path], typer.Option(help="Workload trace. Default: the TOML's, else the bundled Azure sample.")] = None,
-    trace_format: Annotated[Optional[str], typer.Option("--format", help=f"Trace format: {', '.join(TRACE_FORMATS)}.")] = None,
-    time_unit: Annotated[Optional[str], typer.Option(help="Timestamp unit of the trace: s or ms.")] = None,
-    max_requests: Annotated[Optional[int], typer.Option(help="Replay only the first N requests.")] = None,
-    concurrency: Annotated[Optional[int], typer.Option(help="Closed-loop clients. Default 16.")] = None,
-    frontier_max: Annotated[Optional[int], typer.Option(help="Largest concurrency the capacity search tries. Default 64.")] = None,
-    timeout: Annotated[Optional[float], typer.Option(help="Seconds the server scrape may take. Default 5.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed of the synthetic attention and the random policy. Default 0.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")] = False,
-    output: Annotated[Optional[Path], typer.Option(help="Write report.json, policies.csv and PNG histograms into this directory.")] = None,
-    force: Annotated[bool, typer.Option(help="Replace a non-empty --output directory.")] = False,
-) -> None:
-    """Audit DEPLOYMENT: replay its workload on its KV block budget with naive eviction and with
-    vToken, per policy, and report the waste, the trapped memory and what vToken recovers."""
-    if model is not None and model_config is not None:
-        raise ConfigError("give --model or --model-config, not both")
-    if output is not None:
-        check_output_dir(output, force)
-    overrides = Overrides(
-        model=str(model_config) if model_config is not None else model, gpu=gpu, block_size=block_size,
-        num_gpu_blocks=num_blocks, policies=tuple(policy) if policy else None, budget=budget, trace=trace,
-        trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
-        frontier_max_concurrency=frontier_max, timeout_s=timeout, seed=seed,
-    )
-    with progress_bar(stderr, 26) as bar:
-        task = bar.add_task("reading the deployment", total=None)
-        report = audit(deployment, overrides,
-                       lambda stage, done, total: bar.update(task, completed=done, total=total, description=stage))
-    payload = report_to_json(report)
-    if output is not None:
-        write_output_dir(output, _writers(report, payload), force)
-        stderr.print(f"wrote {output}/ (report.json, policies.csv, histogram_<policy>.png)", highlight=False)
-    if json_out:
-        typer.echo(json.dumps(payload, indent=2))
-    else:
-        stdout.print(audit_report(report), soft_wrap=False)
-
-
-# ---- rendering ----------------------------------------------------------------------------------
+from vtoken_cli.render.common import definitions_table, histogram
 
 
 def audit_report(report: AuditReport) -> Group:
@@ -201,21 +132,3 @@ def _show(value: object) -> str:
 
 def _percent(value: float | None) -> str:
     return "?" if value is None else f"{100 * value:.1f}%"
-
-
-# ---- --output -----------------------------------------------------------------------------------
-
-
-def _writers(report: AuditReport, payload: dict) -> list:
-    def write_csv(d: Path) -> None:
-        import pandas as pd
-
-        pd.DataFrame(report_rows(report)).to_csv(d / "policies.csv", index=False)
-
-    def write_plots(d: Path) -> None:
-        from vtoken_cli import plots  # matplotlib: imported when a plot is drawn, not at start-up
-
-        for p in report.policies:
-            plots.plot_policy_histogram(p, d / f"histogram_{p.policy}.png")
-
-    return [json_writer(payload), write_csv, write_plots]

@@ -1,0 +1,101 @@
+"""`vtoken audit DEPLOYMENT`: the KV memory token-level eviction would trap on a deployment (a
+TOML file or a running vLLM server), per policy, and what vToken would recover.
+
+The command parses flags into `Overrides`, calls `vtoken.audit.audit` and prints
+render/audit.py's report. A flag left out takes the TOML's or the server's value, else the
+default of vtoken/defaults.py (the library resolves them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from vtoken import defaults
+from vtoken.audit import DEFAULT_TIMEOUT_S, AuditReport, Overrides, audit, report_rows, report_to_json
+from vtoken.errors import ConfigError
+from vtoken.policies import DEFAULT_AUDIT_POLICIES
+from vtoken_cli.console import stderr, stdout
+from vtoken_cli.options import (
+    GPU_NAMES, MODEL_NAMES, POLICY_NAMES, TRACE_FORMAT_NAMES, Force, JsonOut, MaxRequests, Output, TimeUnit,
+)
+from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
+from vtoken_cli.render.audit import audit_report
+
+
+def audit_command(
+    deployment: Annotated[str, typer.Argument(
+        help="A deployment TOML file, or the http(s):// URL of a running vLLM server.", metavar="DEPLOYMENT",
+        show_default=False)],
+    model: Annotated[Optional[str], typer.Option(
+        help=f"Catalog model ({MODEL_NAMES}, or an HF id); supplies or replaces the deployment's.")] = None,
+    model_config: Annotated[Optional[Path], typer.Option(help="An HF config.json giving the model's KV geometry.")] = None,
+    gpu: Annotated[Optional[str], typer.Option(
+        help=f"Catalog GPU of the cost model (step times): {GPU_NAMES}. Default {defaults.GPU}.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(
+        help=f"Tokens per KV block (replaces the server's or the TOML's). Default {defaults.BLOCK_SIZE}.")] = None,
+    num_blocks: Annotated[Optional[int], typer.Option(help="KV block budget (replaces the server's or the TOML's).")] = None,
+    policy: Annotated[Optional[list[str]], typer.Option(
+        help=f"Policy to audit, repeatable: {POLICY_NAMES}. Default: {', '.join(DEFAULT_AUDIT_POLICIES)}.")] = None,
+    budget: Annotated[Optional[str], typer.Option(
+        help=f"Tokens each request keeps: '50%', '0.5' or '512'. Default {defaults.BUDGET}.")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Workload trace. Default: the TOML's, else the bundled Azure sample.")] = None,
+    trace_format: Annotated[Optional[str], typer.Option("--format", help=f"Trace format: {TRACE_FORMAT_NAMES}.")] = None,
+    time_unit: TimeUnit = None,
+    max_requests: MaxRequests = None,
+    concurrency: Annotated[Optional[int], typer.Option(help=f"Closed-loop clients. Default {defaults.CONCURRENCY}.")] = None,
+    frontier_max: Annotated[Optional[int], typer.Option(
+        help=f"Largest concurrency the capacity search tries. Default {defaults.FRONTIER_MAX_CONCURRENCY}.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(
+        help=f"Seconds the server scrape may take. Default {DEFAULT_TIMEOUT_S:g}.")] = None,
+    seed: Annotated[Optional[int], typer.Option(
+        help=f"Seed of the synthetic attention and the random policy. Default {defaults.SEED}.")] = None,
+    json_out: JsonOut = False,
+    output: Output = None,
+    force: Force = False,
+) -> None:
+    """Audit DEPLOYMENT: replay its workload on its KV block budget with naive eviction and with
+    vToken, per policy, and report the waste, the trapped memory and what vToken recovers."""
+    if model is not None and model_config is not None:
+        raise ConfigError("give --model or --model-config, not both")
+    if output is not None:
+        check_output_dir(output, force)
+    overrides = Overrides(
+        model=str(model_config) if model_config is not None else model, gpu=gpu, block_size=block_size,
+        num_gpu_blocks=num_blocks, policies=tuple(policy) if policy else None, budget=budget, trace=trace,
+        trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
+        frontier_max_concurrency=frontier_max, timeout_s=timeout, seed=seed,
+    )
+    with progress_bar(stderr, 26) as bar:
+        task = bar.add_task("reading the deployment", total=None)
+        report = audit(deployment, overrides,
+                       lambda stage, done, total: bar.update(task, completed=done, total=total, description=stage))
+    payload = report_to_json(report)
+    if output is not None:
+        write_output_dir(output, _writers(report, payload), force)
+        stderr.print(f"wrote {output}/ (report.json, policies.csv, histogram_<policy>.png)", highlight=False)
+    if json_out:
+        typer.echo(json.dumps(payload, indent=2))
+    else:
+        stdout.print(audit_report(report), soft_wrap=False)
+
+
+# ---- --output -----------------------------------------------------------------------------------
+
+
+def _writers(report: AuditReport, payload: dict) -> list:
+    def write_csv(d: Path) -> None:
+        import pandas as pd
+
+        pd.DataFrame(report_rows(report)).to_csv(d / "policies.csv", index=False)
+
+    def write_plots(d: Path) -> None:
+        from vtoken_cli import plots  # matplotlib: imported when a plot is drawn, not at start-up
+
+        for p in report.policies:
+            plots.plot_policy_histogram(p, d / f"histogram_{p.policy}.png")
+
+    return [json_writer(payload), write_csv, write_plots]

@@ -1,0 +1,2 @@
+"""rich renderables, one module per command: they show what the library computed and compute no
+metric. Only the commands print them."""
