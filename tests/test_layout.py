@@ -1,0 +1,168 @@
+"""The layout's import rules, read from the source with `ast` (nothing is imported):
+
+- no module-level import cycle inside `vtoken/` or `vtoken_cli/` (imports inside functions and
+  under `if TYPE_CHECKING:` run later or never, so they do not count);
+- `vtoken/` never imports typer or rich, anywhere in a file.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("vtoken", "vtoken_cli")
+CLI_LIBRARIES = ("typer", "rich")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files() -> dict[str, Path]:
+    """Every module of both packages: dotted name -> file."""
+    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_level_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements run when the module is imported: top level, and inside top-level `if`
+    (but not the `if TYPE_CHECKING:` branch) and `try`; never inside a function or a class."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            if not is_type_checking(node.test):
+                yield from module_level_imports(node.body)
+            yield from module_level_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                yield from module_level_imports(block)
+
+
+def ancestors(name: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b"]."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def absolute_base(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    """The module a `from ... import` reads from, with relative levels resolved."""
+    if node.level == 0:
+        return node.module or ""
+    package = importer if is_package else importer.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def imported_modules(importer: str, path: Path, modules: set[str]) -> set[str]:
+    """The modules of both packages that importing `importer` imports at once.
+
+    `import a.b.c` imports the packages a and a.b and the module a.b.c; `from a.b import c`
+    imports a.b.c when that is a module, else a.b itself. A package that contains `importer` is
+    already being imported whenever `importer` is, so reaching it only through a dotted path is
+    no edge; reading a name from it (`from pkg import name`) is one.
+    """
+    own_packages = set(ancestors(importer))
+    found: set[str] = set()
+
+    def add_path(name: str) -> None:
+        found.update(a for a in [*ancestors(name), name] if a not in own_packages)
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in module_level_imports(tree.body):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add_path(alias.name)
+            continue
+        base = absolute_base(node, importer, path.name == "__init__.py")
+        for alias in node.names:
+            submodule = f"{base}.{alias.name}"
+            if submodule in modules:
+                add_path(submodule)
+            else:
+                add_path(base)
+                found.add(base)  # a name read from it: it must have run, even if it contains `importer`
+    return {name for name in found if name in modules and name != importer}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = source_files()
+    modules = set(files)
+    return {name: imported_modules(name, path, modules) for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]], nodes: set[str]) -> list[str] | None:
+    """One cycle among `nodes` (edges leaving `nodes` ignored), as [a, b, ..., a]; or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node] & nodes):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(nodes):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_graph_sees_both_kinds_of_from_import():
+    graph = import_graph()
+
+    assert "vtoken_cli.console" in graph["vtoken_cli.app"]  # from vtoken_cli.console import stdout
+    assert "vtoken.defaults" in graph["vtoken_cli.commands.compare"]  # from vtoken import defaults
+    assert "vtoken" in graph["vtoken_cli.commands.compare"]  # ... which runs vtoken/__init__.py
+
+
+def test_find_cycle_reports_the_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+
+    assert find_cycle(graph, set(graph)) == ["a", "b", "c", "a"]
+    assert find_cycle(graph, {"a", "b", "d"}) is None
+
+
+def test_no_import_cycle_in_the_cli():
+    graph = import_graph()
+    cycle = find_cycle(graph, {name for name in graph if in_package(name, "vtoken_cli")})
+
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_in_the_library():
+    graph = import_graph()
+    cycle = find_cycle(graph, {name for name in graph if in_package(name, "vtoken")})
+
+    assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
+
+
+def test_the_library_never_imports_typer_or_rich():
+    offenders = []
+    for name, path in source_files().items():
+        if not in_package(name, "vtoken"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{name} imports {t}" for t in targets if t.split(".")[0] in CLI_LIBRARIES]
+
+    assert offenders == []
