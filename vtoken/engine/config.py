@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vtoken import defaults
 from vtoken.errors import ConfigError
 from vtoken.engine.sim import SimProfile
 from vtoken.hardware import GpuSpec
@@ -24,9 +25,9 @@ class EvictionConfig:
     same decisions whatever its timing.
     """
 
-    policy: str = "h2o"
-    budget: Budget = field(default_factory=lambda: Budget(keep_ratio=0.5))
-    interval_tokens: int = 32
+    policy: str = defaults.POLICY
+    budget: Budget = field(default_factory=lambda: Budget.parse(defaults.BUDGET))
+    interval_tokens: int = defaults.EVICTION_INTERVAL_TOKENS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -56,14 +57,14 @@ class RunConfig(VariantRole):
     model: ModelSpec
     gpu: GpuSpec
     num_blocks: int
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
     concurrency: int | None = 8  # closed loop with C clients; None = open loop by timestamps
     max_num_seqs: int = 256  # most requests resident at once (vLLM's max_num_seqs)
     max_fused_steps: int = 16  # the sim advances up to this many decode steps per iteration
     admit_all_at_start: bool = False  # capacity frontier: every request resident from t = 0
-    seed: int = 0
+    seed: int = defaults.SEED
     sim: SimProfile = field(default_factory=SimProfile)
 
     def __post_init__(self) -> None:

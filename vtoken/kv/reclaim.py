@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vtoken import defaults
 from vtoken.errors import ConfigError
 from vtoken.kv.arrays import block_slots
 from vtoken.kv.block_pool import BlockPool
@@ -37,10 +38,10 @@ RECLAIM_MODES = ("hole-fill", "ordered")
 
 @dataclass(frozen=True)
 class ReclaimConfig:
-    mode: str = "hole-fill"
-    theta_f: float = 0.25  # plan only when the pool's waste ratio F is at least this
+    mode: str = defaults.RECLAIM_MODE
+    theta_f: float = defaults.THETA_F  # plan only when the pool's waste ratio F is at least this
     low_watermark_frac: float = 1.0  # ... and fewer than this fraction of blocks is free (1.0: always)
-    check_interval_steps: int = 4  # k: eligibility is checked every k engine iterations
+    check_interval_steps: int = defaults.RECLAIM_INTERVAL_STEPS  # k: eligibility is checked every k engine iterations
     max_src_blocks: int = 64  # B: source blocks per plan
     headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
     max_moves_per_round: int | None = None  # stop planning a round once its plans move this many tokens

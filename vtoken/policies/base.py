@@ -23,6 +23,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
+from vtoken import defaults
 from vtoken.errors import ConfigError
 
 _PERCENT_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)%")
@@ -38,8 +39,8 @@ class Budget:
 
     keep_ratio: float | None = None  # (0, 1] of the request's logical length
     num_tokens: int | None = None  # > 0
-    num_sink_tokens: int = 4
-    num_recent_tokens: int = 64
+    num_sink_tokens: int = defaults.NUM_SINK_TOKENS
+    num_recent_tokens: int = defaults.NUM_RECENT_TOKENS
 
     def __post_init__(self) -> None:
         if (self.keep_ratio is None) == (self.num_tokens is None):
@@ -66,7 +67,8 @@ class Budget:
         return math.ceil(round(self.keep_ratio * num_logical_tokens, 6))
 
     @classmethod
-    def parse(cls, text: str, num_sink_tokens: int = 4, num_recent_tokens: int = 64) -> Budget:
+    def parse(cls, text: str, num_sink_tokens: int = defaults.NUM_SINK_TOKENS,
+              num_recent_tokens: int = defaults.NUM_RECENT_TOKENS) -> Budget:
         """Read a CLI budget: '50%' or '0.5' is a keep ratio, '512' a token count; raises ConfigError."""
         stripped = text.strip()
         protected = {"num_sink_tokens": num_sink_tokens, "num_recent_tokens": num_recent_tokens}

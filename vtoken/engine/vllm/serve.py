@@ -28,6 +28,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from vtoken import defaults
 from vtoken.engine.vllm.engine import ENGINE_ENV, SCHEDULER_CLS, WORKER_CLS
 from vtoken.engine.vllm.settings import CONFIG_KEY, VllmSettings
 from vtoken.errors import ConfigError
@@ -39,14 +40,14 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 class ServeOptions:
     model: str
     settings: VllmSettings
-    host: str = "127.0.0.1"
-    port: int = 8000
-    block_size: int = 32
-    kv_cache_memory_bytes: int | None = 1 << 30
+    host: str = defaults.SERVE_HOST
+    port: int = defaults.SERVE_PORT
+    block_size: int = defaults.VLLM_BLOCK_SIZE
+    kv_cache_memory_bytes: int | None = defaults.SERVE_KV_CACHE_BYTES
     num_gpu_blocks: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
-    dtype: str = "auto"
+    dtype: str = defaults.SERVE_DTYPE
     served_model_name: str | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 

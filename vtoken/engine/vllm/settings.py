@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vtoken.engine.config import VARIANTS, EvictionConfig, VariantRole
+from vtoken import defaults
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.policies.base import Budget
@@ -38,10 +39,11 @@ class VllmSettings(VariantRole):
     followed by a compaction before the next forward, in every evicting variant.
     """
 
-    variant: str = "vtoken"
-    eviction: EvictionConfig = field(default_factory=lambda: EvictionConfig(policy="streaming_llm"))
-    reclaim: ReclaimConfig = field(default_factory=lambda: ReclaimConfig(check_interval_steps=1))
-    seed: int = 0
+    variant: str = defaults.VARIANT
+    eviction: EvictionConfig = field(default_factory=lambda: EvictionConfig(policy=defaults.VLLM_POLICY))
+    reclaim: ReclaimConfig = field(
+        default_factory=lambda: ReclaimConfig(check_interval_steps=defaults.VLLM_RECLAIM_INTERVAL_STEPS))
+    seed: int = defaults.SEED
     check_invariants: bool = False  # I1 (ids) and I2 after every eviction; slow, for tests
 
     def __post_init__(self) -> None:
@@ -77,23 +79,23 @@ def settings_from_additional_config(additional_config: Mapping[str, Any] | None)
         raise ConfigError(f"additional_config.{CONFIG_KEY}: unknown keys {unknown}; known: {sorted(_KNOWN_KEYS)}")
     budget = _budget(raw)
     eviction = EvictionConfig(
-        policy=str(raw.get("policy", "streaming_llm")),
+        policy=str(raw.get("policy", defaults.VLLM_POLICY)),
         budget=budget,
-        interval_tokens=_int(raw, "interval_tokens", 32),
+        interval_tokens=_int(raw, "interval_tokens", defaults.EVICTION_INTERVAL_TOKENS),
     )
     reclaim = ReclaimConfig(
-        mode=str(raw.get("reclaim_mode", "hole-fill")),
-        theta_f=float(raw.get("theta_f", 0.25)),
-        check_interval_steps=_int(raw, "check_interval_steps", 1),
+        mode=str(raw.get("reclaim_mode", defaults.RECLAIM_MODE)),
+        theta_f=float(raw.get("theta_f", defaults.THETA_F)),
+        check_interval_steps=_int(raw, "check_interval_steps", defaults.VLLM_RECLAIM_INTERVAL_STEPS),
     )
-    return VllmSettings(str(raw.get("variant", "vtoken")), eviction, reclaim, _int(raw, "seed", 0),
+    return VllmSettings(str(raw.get("variant", defaults.VARIANT)), eviction, reclaim, _int(raw, "seed", defaults.SEED),
                         bool(raw.get("check_invariants", False)))
 
 
 def _budget(raw: Mapping[str, Any]) -> Budget:
-    sinks = _int(raw, "num_sink_tokens", 4)
-    recent = _int(raw, "num_recent_tokens", 64)
-    value = raw.get("budget", "50%")
+    sinks = _int(raw, "num_sink_tokens", defaults.NUM_SINK_TOKENS)
+    recent = _int(raw, "num_recent_tokens", defaults.NUM_RECENT_TOKENS)
+    value = raw.get("budget", defaults.BUDGET)
     if isinstance(value, bool):
         raise ConfigError(f"additional_config.{CONFIG_KEY}.budget: expected a ratio or a count, got {value!r}")
     if isinstance(value, float):
