@@ -4,7 +4,8 @@
         scrape(server.url, timeout_s=0.5)
         assert server.requests[0].path == "/metrics"
 
-Each route answers with a fixed status, content type and body, or stalls: `Hang()` accepts the
+Each route answers with a fixed status, content type and body, or with `Computed(render)`'s
+body, rendered afresh for every request (counters that move between scrapes), or stalls: `Hang()` accepts the
 request and answers nothing, `Hang(after_headers=True)` sends the headers and then no body,
 `Trickle()` sends the headers and then a byte at a time, never finishing. A stalling handler
 waits until the `with` block ends (at most `max_hang_s`), so leaving the block releases every
@@ -16,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +29,14 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 class Route:
     body: str | bytes = b""
     status: int = 200
+    content_type: str = PROMETHEUS_TEXT
+
+
+@dataclass(frozen=True)
+class Computed:
+    """Answer 200 with `render()` at the time of each request."""
+
+    render: Callable[[], str | bytes]
     content_type: str = PROMETHEUS_TEXT
 
 
@@ -71,7 +80,7 @@ class _Server(ThreadingHTTPServer):
 
 @contextmanager
 def serve(
-    routes: Mapping[str, Route | Hang | Trickle], max_hang_s: float = 30.0
+    routes: Mapping[str, Route | Computed | Hang | Trickle], max_hang_s: float = 30.0
 ) -> Iterator[FakeServer]:
     release = threading.Event()
     fake = FakeServer(url="")
@@ -90,7 +99,7 @@ def serve(
 
 
 def _make_handler(
-    routes: dict[str, Route | Hang | Trickle],
+    routes: dict[str, Route | Computed | Hang | Trickle],
     fake: FakeServer,
     release: threading.Event,
     max_hang_s: float,
@@ -106,6 +115,8 @@ def _make_handler(
                     self._hang(route)
                 elif isinstance(route, Trickle):
                     self._trickle(route)
+                elif isinstance(route, Computed):
+                    self._answer(Route(route.render(), 200, route.content_type))
                 else:
                     self._answer(route)
             except ConnectionError:

@@ -442,6 +442,22 @@ def test_vtoken_metrics_mean_the_waste_is_measured() -> None:
     assert "measured there, not simulated" in report.verdict
 
 
+def test_a_server_that_served_requests_is_audited_on_its_own_workload() -> None:
+    # The fixture's server finished one request (4 prompt, 16 generated tokens): that is the
+    # workload now, not the bundled sample.
+    with serve(vllm_routes()) as server:
+        report = audit(server.url, replace(TINY, model="llama-3.1-8b", num_gpu_blocks=400))
+
+    workload = report.deployment.workload
+    assert workload.source == "server" and not workload.is_bundled_sample
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in report.trace.requests] == [(4, 16)]
+    payload = report_to_json(report)["workload"]
+    assert (payload["source"], payload["num_requests_observed"], payload["attribution"]) == ("server", 1, None)
+    assert (payload["prompt_tokens"]["mean"], payload["output_tokens"]["mean"]) == (4.0, 16.0)
+    assert (payload["prompt_tokens"]["low"]["mean"], payload["prompt_tokens"]["high"]["mean"]) == (3.0, 5.0)
+    assert any("no request in flight" in note for note in report.deployment.notes)
+
+
 def test_toml_endpoint_fills_what_the_toml_leaves_out(tmp_path: Path) -> None:
     with serve(vllm_routes()) as server:
         url = server.url.replace("http://", "http://alice:hunter2@")

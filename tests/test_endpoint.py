@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import socket
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from fakeserver import HANG, Hang, Route, Trickle, serve
 from vtoken.endpoint import (
     OLD_SERVER_HINT,
     CacheConfig,
+    Histogram,
     LiveState,
     parse_metrics,
     redact_url,
@@ -96,6 +98,30 @@ def test_scrape_reads_the_real_vllm_032_scrape() -> None:
     assert state.metrics.vtoken_metrics == {}
     assert state.notes == ()
     assert [r.path for r in server.requests] == ["/metrics", "/v1/models"]
+
+
+def test_the_real_scrape_keeps_its_workload_series_per_engine() -> None:
+    _, metrics = parse_metrics(FIXTURE_TEXT, "fixture")
+
+    (engine,) = metrics.engines
+    assert engine.engine == "0" and engine.histogram_problems == {}
+    bounds = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, math.inf)
+    assert engine.prompt_tokens == Histogram(bounds, (0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1), 4.0, 1.0)
+    assert engine.generation_tokens == Histogram(bounds, (0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1), 16.0, 1.0)
+    assert engine.num_requests_by_reason == {"stop": 0, "length": 1, "abort": 0, "error": 0, "repetition": 0}
+    assert (engine.num_prompt_tokens, engine.num_generation_tokens) == (4.0, 16.0)
+    assert (engine.num_prefix_cache_queries, engine.num_prefix_cache_hits) == (4.0, 0.0)
+    assert (engine.num_requests_running, engine.num_requests_waiting) == (0.0, 0.0)
+    assert engine.e2e_latency_s_total == pytest.approx(0.1119, abs=1e-4)
+
+
+def test_two_engines_keep_two_sets_of_workload_series() -> None:
+    _, metrics = parse_metrics(two_engine_metrics((0.5, 0.25), (3, 4)), "two")
+
+    assert [(e.engine, e.num_requests_running) for e in metrics.engines] == [("0", 3.0), ("1", 4.0)]
+    assert all(e.prompt_tokens is None for e in metrics.engines)
+    assert metrics.engines[0].histogram_problems["vllm:request_prompt_tokens"] == (
+        "no vllm:request_prompt_tokens histogram (no _bucket, _sum or _count series)")
 
 
 def test_scrape_reads_load_values_from_the_body() -> None:

@@ -2,13 +2,21 @@
 vToken would recover.
 
     audit(target) = resolve_deployment(target)      TOML file, or a running vLLM server's /metrics
-                  -> load_workload(...)             the deployment's trace, or the bundled sample
-                  -> measure(...)                   per policy: native / naive-evict / vtoken
+                  -> workload_traces(...)           the trace given, the server's workload, or the
+                                                    bundled sample
+                  -> measure(...)                   per policy: native / naive-evict / vtoken; for a
+                                                    server's workload also at the buckets' low and
+                                                    high edges (the headline figures' ranges)
                   -> AuditReport (+ NVML, verdict)  report_to_json() is the `--json` object
+
+    audit_deployment(targets)                       several replicas (URLs, and the engines of a
+                                                    data-parallel server): one AuditReport each, the
+                                                    replicas that did not answer, and the sums
 
 The stages, in the order the data flows:
 
     settings.py     the deployment TOML and the command-line flags, parsed and type-checked
+    workload.py     a server's /metrics -> the workload it served, and a synthetic trace of it
     deployment.py   settings + the live server -> `Deployment` (defaults, notes); its workload
     measurement.py  the replays, what vToken recovers, the capacity search (the definitions)
     report.py       `AuditReport`, the verdict, the JSON object and the CSV rows
@@ -18,28 +26,36 @@ This module holds the one entry point and re-exports the names the CLI and the t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from vtoken.audit.deployment import (
     DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_CONCURRENCY, DEFAULT_FRONTIER_MAX_CONCURRENCY, DEFAULT_GPU,
     DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_INTERVAL_TOKENS, KV_BYTES_MISMATCH, MAX_RESERVE_BYTES, SAMPLE_TRACE,
-    Deployment, Workload, bundled_sample_path, load_workload, resolve_deployment,
+    Deployment, Workload, bundled_sample_path, load_workload, resolve_deployment, resolve_replicas, workload_traces,
 )
 from vtoken.audit.measurement import (
     AUDIT_VARIANTS, AuditProgress, Capacity, PolicyAudit, _largest_feasible, measure, num_progress_units, run_config,
 )
 from vtoken.audit.report import (
-    DEFINITIONS, SAMPLE_ATTRIBUTION, AuditReport, budget_phrase, policy_title, report_rows, report_to_json, verdict,
+    DEFINITIONS, SAMPLE_ATTRIBUTION, AuditReport, DeploymentAudit, ReplicaFailure, budget_phrase, deployment_to_json,
+    policy_title, report_rows, report_to_json, verdict,
 )
 from vtoken.audit.settings import DEFAULT_TIMEOUT_S, Overrides, Settings, load_settings
-from vtoken.nvml import probe_gpus
+from vtoken.audit.workload import EDGES, MAX_SYNTHETIC_REQUESTS, ReplicaWorkload, ServerWorkload
+from vtoken.endpoint import LiveState, redact_url
+from vtoken.errors import EndpointError
+from vtoken.nvml import NvmlReport, probe_gpus
 
 __all__ = [
     "AUDIT_VARIANTS", "DEFAULT_BLOCK_SIZE", "DEFAULT_BUDGET", "DEFAULT_CONCURRENCY", "DEFAULT_FRONTIER_MAX_CONCURRENCY",
     "DEFAULT_GPU", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_INTERVAL_TOKENS", "DEFAULT_TIMEOUT_S", "DEFINITIONS",
     "KV_BYTES_MISMATCH", "MAX_RESERVE_BYTES", "SAMPLE_ATTRIBUTION", "SAMPLE_TRACE",
-    "AuditProgress", "AuditReport", "Capacity", "Deployment", "Overrides", "PolicyAudit", "Settings", "Workload",
-    "_largest_feasible", "audit", "budget_phrase", "bundled_sample_path", "load_settings", "load_workload", "measure",
-    "num_progress_units", "policy_title", "probe_gpus", "report_rows", "report_to_json", "resolve_deployment",
-    "run_config", "verdict",
+    "EDGES", "MAX_SYNTHETIC_REQUESTS",
+    "AuditProgress", "AuditReport", "Capacity", "Deployment", "DeploymentAudit", "Overrides", "PolicyAudit",
+    "ReplicaFailure", "ReplicaWorkload", "ServerWorkload", "Settings", "Workload",
+    "_largest_feasible", "audit", "audit_deployment", "budget_phrase", "bundled_sample_path", "deployment_to_json",
+    "load_settings", "load_workload", "measure", "num_progress_units", "policy_title", "probe_gpus", "report_rows",
+    "report_to_json", "resolve_deployment", "resolve_replicas", "run_config", "verdict", "workload_traces",
 ]
 
 
@@ -49,6 +65,60 @@ def audit(target: str, overrides: Overrides | None = None, progress: AuditProgre
     Raises ConfigError / TraceError / EndpointError (all VTokenError) for any bad input.
     """
     deployment, live = resolve_deployment(target, overrides or Overrides())
-    trace = load_workload(deployment.workload)
-    policies = measure(deployment, trace.requests, progress)
-    return AuditReport(deployment, live, probe_gpus(), trace, policies, verdict(deployment, policies, live))
+    return _audit_one(deployment, live, probe_gpus(), progress)
+
+
+def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
+                     progress: AuditProgress | None = None) -> DeploymentAudit:
+    """Audit every replica: each target, and each engine of a data-parallel server, on its own.
+
+    A server that does not answer (EndpointError) is a `ReplicaFailure` and the others are
+    audited; when none answers, raises EndpointError naming each. Bad input (ConfigError,
+    TraceError) raises at once. Targets are read one after the other, so with a window each
+    replica's window follows the last.
+    """
+    overrides = overrides or Overrides()
+    gpus = probe_gpus()
+    reports: list[AuditReport] = []
+    failures: list[ReplicaFailure] = []
+    for target in targets:
+        try:
+            deployments, live = resolve_replicas(target, overrides)
+        except EndpointError as exc:
+            failures.append(ReplicaFailure(redact_url(target), str(exc)))
+            continue
+        for deployment in deployments:
+            reports.append(_audit_one(deployment, live, gpus, _prefixed(progress, deployment.source)))
+    if not reports:
+        raise EndpointError("no replica answered: " + "; ".join(f.reason for f in failures))
+    return DeploymentAudit(tuple(reports), tuple(failures))
+
+
+def _audit_one(deployment: Deployment, live: LiveState | None, gpus: NvmlReport,
+               progress: AuditProgress | None) -> AuditReport:
+    traces = workload_traces(deployment.workload)
+    edges = [edge for edge in EDGES if edge != "mid" and edge in traces]
+    num_replays = 1 + len(edges)
+    policies = measure(deployment, traces["mid"].requests, _offset(progress, 0, num_replays, ""))
+    at_edges = {edge: measure(deployment, traces[edge].requests, _offset(progress, k + 1, num_replays, f"{edge} edge: "))
+                for k, edge in enumerate(edges)}
+    return AuditReport(deployment, live, gpus, traces["mid"], policies, verdict(deployment, policies, live, at_edges),
+                       at_edges)
+
+
+def _offset(progress: AuditProgress | None, replay_idx: int, num_replays: int, prefix: str) -> AuditProgress | None:
+    """Progress of replay `replay_idx` of `num_replays` equal ones as one stream: done and total
+    count all of them."""
+    if progress is None or num_replays == 1:
+        return progress
+
+    def report(stage: str, num_done: int, num_total: int) -> None:
+        progress(prefix + stage, replay_idx * num_total + num_done, num_replays * num_total)
+
+    return report
+
+
+def _prefixed(progress: AuditProgress | None, replica: str) -> AuditProgress | None:
+    if progress is None:
+        return None
+    return lambda stage, num_done, num_total: progress(f"{replica}: {stage}", num_done, num_total)

@@ -5,17 +5,27 @@ default taken and every disagreement found.
     resolve_deployment(target, overrides)
         TOML path -> load_settings -> [endpoint.url: scrape, fill gaps] -> apply flags -> build
         URL       -> scrape -> fill from the server -> apply flags -> build
+    resolve_replicas(target, overrides)      the same, one Deployment per engine of the server
+
+The workload (`Workload.source`): the trace given ("trace"); else, when a server is read, what
+it has served ("server": `vtoken.audit.workload` derives it from the scrape, or from two
+scrapes `window_s` apart); else, or when the server has finished no request yet, the bundled
+sample ("bundled-sample", with a note saying why).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import vtoken
 from vtoken.audit.settings import DEFAULT_TIMEOUT_S, Overrides, Settings, load_settings, lookup_gpu, parse_budget
+from vtoken.audit.workload import (
+    MAX_SYNTHETIC_REQUESTS, ReplicaWorkload, ServerWorkload, derive_server_workload, synthetic_traces,
+)
 from vtoken.defaults import (  # the names vtoken.audit has always exported
     BLOCK_SIZE as DEFAULT_BLOCK_SIZE,
     BUDGET as DEFAULT_BUDGET,
@@ -47,12 +57,25 @@ _TOML_KEYS = {"model": "model.name", "dtype": "model.dtype", "block_size": "engi
 
 @dataclass(frozen=True)
 class Workload:
-    trace_path: Path
+    """What the audit replays: a trace file, or (`replica` set) the workload a server served."""
+
+    trace_path: Path | None  # None for a server's workload
     format: str = "auto"
     time_unit: str | None = None
     max_requests: int | None = None
     concurrency: int = DEFAULT_CONCURRENCY
     is_bundled_sample: bool = False
+    server: ServerWorkload | None = None  # the server's workload, when one was read
+    replica: ReplicaWorkload | None = None  # the part of it replayed (an engine, or all); None: a file
+    seed: int = SEED  # of the synthetic trace
+    notes: tuple[str, ...] = ()  # why this workload, what was assumed
+
+    @property
+    def source(self) -> str:
+        """"server", "trace" or "bundled-sample"."""
+        if self.replica is not None:
+            return "server"
+        return "bundled-sample" if self.is_bundled_sample else "trace"
 
 
 @dataclass(frozen=True)
@@ -78,28 +101,52 @@ class Deployment:
 
 
 def resolve_deployment(target: str, overrides: Overrides) -> tuple[Deployment, LiveState | None]:
-    """Read the TOML file or scrape the server at `target`, apply `overrides`, resolve the rest."""
+    """Read the TOML file or scrape the server at `target`, apply `overrides`, resolve the rest.
+
+    A server with several engines is one deployment here, its workload theirs together on one
+    engine's pool; `resolve_replicas` gives one deployment per engine.
+    """
+    deployments, live = resolve_replicas(target, overrides, per_engine=False)
+    return deployments[0], live
+
+
+def resolve_replicas(target: str, overrides: Overrides,
+                     per_engine: bool = True) -> tuple[tuple[Deployment, ...], LiveState | None]:
+    """`resolve_deployment`, with one Deployment per engine of a data-parallel server (when
+    `per_engine` and the workload is the server's; else one)."""
     if "://" in target:
-        return _from_server(target, overrides)
+        return _from_server(target, overrides, per_engine)
     path = Path(target)
     if not path.is_file():
         raise ConfigError(f"{redact_url(target)}: no such file; DEPLOYMENT is a TOML file or the "
                           "http:// or https:// URL of a vLLM server")
     settings = load_settings(path)
-    live = None
-    if settings.endpoint_url is not None:
-        live = scrape(settings.endpoint_url, overrides.timeout_s or settings.timeout_s)
-        settings = _fill_from_server(settings, live)
-    return _build(_apply(settings, overrides), live), live
+    if settings.endpoint_url is None:
+        return (_build(_apply(settings, overrides), None),), None
+    live = scrape(settings.endpoint_url, overrides.timeout_s or settings.timeout_s)
+    settings = _apply(_fill_from_server(settings, live), overrides)
+    server = _server_workload(settings.endpoint_url, live, settings, overrides.timeout_s or settings.timeout_s)
+    return _build_replicas(settings, live, server, per_engine), live
 
 
 def load_workload(workload: Workload) -> Trace:
-    """The workload's trace; the bundled sample must exist when it is the default."""
+    """The workload's trace (for a server's workload: the synthetic "mid" trace); the bundled
+    sample must exist when it is the default."""
+    return workload_traces(workload)["mid"]
+
+
+def workload_traces(workload: Workload) -> dict[str, Trace]:
+    """{"mid": the trace}, and for a server's workload also "low" and "high": the same requests
+    at their buckets' lower and upper bounds (vtoken.audit.workload)."""
+    if workload.replica is not None:
+        num_requests = min(workload.replica.num_requests_observed, MAX_SYNTHETIC_REQUESTS,
+                           workload.max_requests or MAX_SYNTHETIC_REQUESTS)
+        return synthetic_traces(workload.server, workload.replica, num_requests, workload.seed)
     if workload.is_bundled_sample and not workload.trace_path.is_file():
         raise ConfigError(f"the bundled sample trace is missing ({workload.trace_path}); give "
                           "workload.trace or --trace")
-    return load_trace(workload.trace_path, workload.format, time_unit=workload.time_unit,
-                      max_requests=workload.max_requests)
+    return {"mid": load_trace(workload.trace_path, workload.format, time_unit=workload.time_unit,
+                              max_requests=workload.max_requests)}
 
 
 def bundled_sample_path() -> Path:
@@ -109,19 +156,40 @@ def bundled_sample_path() -> Path:
 # ---- the server, the flags -----------------------------------------------------------------------
 
 
-def _from_server(url: str, overrides: Overrides) -> tuple[Deployment, LiveState | None]:
+def _from_server(url: str, overrides: Overrides, per_engine: bool) -> tuple[tuple[Deployment, ...], LiveState | None]:
     shown = redact_url(url)
+    timeout_s = overrides.timeout_s or DEFAULT_TIMEOUT_S
     try:
-        live = scrape(url, overrides.timeout_s or DEFAULT_TIMEOUT_S)
+        live = scrape(url, timeout_s)
     except EndpointError as exc:
         # An older server has no cache config; the flags can supply it (its load is then unread).
         supplied = None not in (overrides.block_size, overrides.num_gpu_blocks, overrides.model)
         if OLD_SERVER_HINT not in str(exc) or not supplied:
             raise
         note = f"{shown} has no vllm:cache_config_info; --block-size, --num-blocks and --model supply it"
-        return _build(_apply(Settings(shown, "server", notes=(note,)), overrides), None), None
-    settings = _fill_from_server(Settings(live.url, "server"), live)
-    return _build(_apply(settings, overrides), live), live
+        return (_build(_apply(Settings(shown, "server", notes=(note,)), overrides), None),), None
+    settings = _apply(_fill_from_server(Settings(live.url, "server"), live), overrides)
+    server = _server_workload(url, live, settings, timeout_s)
+    return _build_replicas(settings, live, server, per_engine), live
+
+
+def _server_workload(url: str, live: LiveState, s: Settings, timeout_s: float) -> ServerWorkload | None:
+    """The server's workload when the audit replays it (no trace given): `s.window_s` after
+    `live`, a second scrape gives the rates."""
+    if s.trace is not None:
+        return None
+    later = None
+    if s.window_s is not None:
+        time.sleep(max(0.0, live.scraped_at_s + s.window_s - time.monotonic()))
+        later = scrape(url, timeout_s)
+    return derive_server_workload(live, later)
+
+
+def _build_replicas(s: Settings, live: LiveState, server: ServerWorkload | None,
+                    per_engine: bool) -> tuple[Deployment, ...]:
+    if server is None or not per_engine or len(server.replicas) == 1:
+        return (_build(s, live, server, server.total if server is not None else None),)
+    return tuple(_build(replace(s, where=f"{s.where} engine {r.engine}"), live, server, r) for r in server.replicas)
 
 
 def _fill_from_server(settings: Settings, live: LiveState) -> Settings:
@@ -159,7 +227,8 @@ def _apply(settings: Settings, overrides: Overrides) -> Settings:
 # ---- resolution -------------------------------------------------------------------------------
 
 
-def _build(s: Settings, live: LiveState | None) -> Deployment:
+def _build(s: Settings, live: LiveState | None, server: ServerWorkload | None = None,
+           replica: ReplicaWorkload | None = None) -> Deployment:
     notes = list(s.notes)
     model = _model(s, notes)
     gpu = lookup_gpu(s.gpu or DEFAULT_GPU, _key(s, "engine.gpu", "--gpu"))
@@ -176,7 +245,7 @@ def _build(s: Settings, live: LiveState | None) -> Deployment:
     interval_tokens = s.interval_tokens or DEFAULT_INTERVAL_TOKENS
     return Deployment(
         source=s.where, model=model, gpu=gpu, block_size=block_size, num_blocks=num_blocks, policies=policies,
-        budget=budget, interval_tokens=interval_tokens, workload=_workload(s),
+        budget=budget, interval_tokens=interval_tokens, workload=_workload(s, server, replica, notes),
         frontier_max_concurrency=s.frontier_max_concurrency or DEFAULT_FRONTIER_MAX_CONCURRENCY,
         seed=s.seed, notes=tuple(notes),
     )
@@ -261,7 +330,21 @@ def _kv_pool_notes(live: LiveState, model: ModelSpec, s: Settings) -> list[str]:
             f"{model.kv_bytes_per_token}: check {_key(s, 'model', '--model')} (tensor parallelism splits it)"]
 
 
-def _workload(s: Settings) -> Workload:
+def _workload(s: Settings, server: ServerWorkload | None, replica: ReplicaWorkload | None,
+              notes: list[str]) -> Workload:
+    """The trace given, else the server's workload, else the bundled sample (module docstring).
+    Appends to `notes` why the bundled sample or which concurrency was taken."""
+    if s.trace is None and replica is not None and replica.num_requests_observed > 0:
+        concurrency, why = _server_concurrency(s, server, replica)
+        if why is not None:
+            notes.append(why)
+        return Workload(trace_path=None, max_requests=s.max_requests, concurrency=concurrency, server=server,
+                        replica=replica, seed=s.seed, notes=replica.notes)
+    workload_notes = ()
+    if s.trace is None and replica is not None:
+        workload_notes = (f"{s.where} has finished no request yet (vllm:request_prompt_tokens_count is 0): "
+                          "replaying the bundled sample instead of its workload",)
+        notes += workload_notes
     is_sample = s.trace is None
     return Workload(
         trace_path=bundled_sample_path() if is_sample else s.trace,
@@ -270,7 +353,23 @@ def _workload(s: Settings) -> Workload:
         max_requests=s.max_requests,
         concurrency=s.concurrency or DEFAULT_CONCURRENCY,
         is_bundled_sample=is_sample,
+        seed=s.seed,
+        notes=workload_notes,
     )
+
+
+def _server_concurrency(s: Settings, server: ServerWorkload, replica: ReplicaWorkload) -> tuple[int, str | None]:
+    """(closed-loop clients, a note on where they come from): the flag, else what the server runs."""
+    if s.concurrency is not None:
+        return s.concurrency, None
+    seen = replica.concurrency
+    if seen is None or round(seen) < 1:
+        return DEFAULT_CONCURRENCY, (f"the server had no request in flight: {DEFAULT_CONCURRENCY} closed-loop "
+                                     "clients (default; --concurrency sets them)")
+    how = ("its mean requests in flight over the window (Little's law: e2e seconds / window seconds)"
+           if server.window_s is not None else "requests running + waiting at the scrape")
+    per = " per engine" if replica.engine == "all" and len(server.replicas) > 1 else ""
+    return round(seen), f"{round(seen)} closed-loop clients{per}: the server's {how}"
 
 
 def _key(s: Settings, toml_phrase: str, server_phrase: str) -> str:

@@ -1,14 +1,22 @@
 """What an audit returns and how it reads: `AuditReport`, the verdict sentences, the `--json`
-object (`report_to_json`) and the CSV rows of `--output` (`report_rows`)."""
+object (`report_to_json`) and the CSV rows of `--output` (`report_rows`); `DeploymentAudit`
+and `deployment_to_json` for several replicas.
+
+A server's workload is known from histograms, to within their buckets: the audit replays it
+three times (every request at its bucket's lower edge, interpolated, at its upper edge), and
+every headline figure then carries `ranges`: its min and max over the three replays."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from vtoken.audit.deployment import Deployment
-from vtoken.audit.measurement import PolicyAudit
+from vtoken.audit.measurement import AUDIT_VARIANTS, PolicyAudit
+from vtoken.audit.workload import LengthDistribution, LengthStats
 from vtoken.endpoint import LiveState
 from vtoken.hardware import GiB
 from vtoken.jsonsafe import make_json_safe
@@ -29,7 +37,12 @@ DEFINITIONS = (
     ("retained_blocks_per_request", "blocks/req", "allocated blocks per resident request, per variant"),
     ("max_concurrency", "max C", "largest C <= the search cap whose C requests, all resident from t = 0, "
                                  "never need more blocks than the budget (analysis.frontier)"),
+    ("ranges", "range", "for a server's workload: min and max of a figure over the replays with every length at "
+                        "its histogram bucket's lower edge, interpolated, and at its upper edge"),
 )
+# The figures that `ranges` covers; max_concurrency per variant.
+RANGE_FIGURES = ("waste_ratio", "frac_blocks_le_half", "trapped_bytes", "reclaimable_bytes", "reclaimable_blocks",
+                 "room_for_more_requests")
 
 _POLICY_TITLES = {"h2o": "H2O", "streaming_llm": "StreamingLLM", "scissorhands": "Scissorhands",
                   "random": "Random", "tova": "TOVA"}
@@ -43,11 +56,71 @@ class AuditReport:
     trace: Trace
     policies: tuple[PolicyAudit, ...]
     verdict: str
+    # "low" / "high": the policies replayed at the buckets' edges (a server's workload only)
+    edges: Mapping[str, tuple[PolicyAudit, ...]] = field(default_factory=dict)
 
     @property
     def is_waste_measured(self) -> bool:
         """The server exports vToken's own metrics: its waste is measured there, not simulated."""
         return self.live is not None and bool(self.live.metrics.vtoken_metrics)
+
+    def ranges(self, policy_idx: int) -> dict[str, Any] | None:
+        """{figure: (min, max)} over the mid and edge replays, max_concurrency per variant; None
+        without edge replays."""
+        if not self.edges:
+            return None
+        replays = [self.policies[policy_idx]] + [e[policy_idx] for e in self.edges.values()]
+        ranges: dict[str, Any] = {}
+        for figure in RANGE_FIGURES:
+            values = [_figure(p, figure) for p in replays]
+            ranges[figure] = (min(values), max(values))
+        ranges["max_concurrency"] = {
+            v: (min(p.capacity[v].max_concurrency for p in replays), max(p.capacity[v].max_concurrency for p in replays))
+            for v in AUDIT_VARIANTS}
+        return ranges
+
+
+@dataclass(frozen=True)
+class ReplicaFailure:
+    target: str  # the URL, credentials removed
+    reason: str  # the one-line error
+
+
+@dataclass(frozen=True)
+class DeploymentAudit:
+    """Several replicas: one report each (a data-parallel server's engines too) and the ones
+    that did not answer. The deployment's figures are the replicas' sums (`totals`)."""
+
+    replicas: tuple[AuditReport, ...]
+    failures: tuple[ReplicaFailure, ...]
+
+    def totals(self) -> dict[str, Any]:
+        """Per policy the sums over replicas of trapped, reclaimable and room-for figures and of
+        max_concurrency per variant (each replica has its own pool); with ranges, sums of mins and maxes."""
+        by_policy: dict[str, Any] = {}
+        for idx, policy in enumerate(self.replicas[0].deployment.policies):
+            audits = [(r, r.policies[idx]) for r in self.replicas if idx < len(r.policies) and
+                      r.policies[idx].policy == policy]
+            total: dict[str, Any] = {f: sum(_figure(p, f) for _, p in audits) for f in RANGE_FIGURES[2:]}
+            total["max_concurrency"] = {v: sum(p.capacity[v].max_concurrency for _, p in audits) for v in AUDIT_VARIANTS}
+            ranges = [r.ranges(idx) for r, _ in audits]
+            if all(rng is not None for rng in ranges):
+                total["ranges"] = {f: [sum(rng[f][k] for rng in ranges) for k in (0, 1)] for f in RANGE_FIGURES[2:]}
+                total["ranges"]["max_concurrency"] = {
+                    v: [sum(rng["max_concurrency"][v][k] for rng in ranges) for k in (0, 1)] for v in AUDIT_VARIANTS}
+            by_policy[policy] = total
+        observed = [r.deployment.workload.replica for r in self.replicas if r.deployment.workload.replica is not None]
+        rates = [w.request_rate_per_s for w in observed]
+        return {
+            "num_replicas": len(self.replicas), "num_failed": len(self.failures),
+            "num_requests_observed": sum(w.num_requests_observed for w in observed) if observed else None,
+            "request_rate_per_s": sum(rates) if observed and None not in rates else None,
+            "policies": by_policy,
+        }
+
+
+def _figure(p: PolicyAudit, figure: str) -> float:
+    return getattr(p, figure) if hasattr(p, figure) else getattr(p.evicted, figure)
 
 
 # ---- the verdict ---------------------------------------------------------------------------------
@@ -61,8 +134,10 @@ def budget_phrase(budget: Budget) -> str:
     return f"{budget.keep_ratio * 100:g}%" if budget.keep_ratio is not None else f"{budget.num_tokens} tokens"
 
 
-def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveState | None) -> str:
-    """A few plain sentences: the most-trapping policy in the example's words, then the least."""
+def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveState | None,
+            edges: Mapping[str, Sequence[PolicyAudit]] | None = None) -> str:
+    """A few plain sentences: the most-trapping policy in the example's words, then the least;
+    with edge replays, the worst policy's max C and trapped memory as ranges."""
     worst = max(policies, key=lambda p: (p.evicted.trapped_bytes, p.policy))
     run = worst.evicted
     text = (f"With {policy_title(worst.policy)} at {budget_phrase(deployment.budget)}, "
@@ -77,6 +152,8 @@ def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveS
     if after.max_concurrency != before.max_concurrency:
         text += (f" All admitted at once, {before.max_concurrency} requests fit without vToken and "
                  f"{after.max_concurrency}{'+' if after.is_lower_bound else ''} with it.")
+    if edges:
+        text += _range_sentence(worst, [e[policies.index(worst)] for e in edges.values()])
     if len(policies) > 1:
         best = min(policies, key=lambda p: (p.evicted.trapped_bytes, p.policy))
         text += (f" Least affected: {policy_title(best.policy)} ({_bytes_phrase(best.evicted.trapped_bytes)} "
@@ -84,6 +161,20 @@ def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveS
     if live is not None and live.metrics.vtoken_metrics:
         text += " The server runs vToken: its waste is measured there, not simulated (see its vtoken metrics)."
     return text
+
+
+def _range_sentence(mid: PolicyAudit, at_edges: Sequence[PolicyAudit]) -> str:
+    replays = [mid, *at_edges]
+
+    def span(values: Sequence[float], phrase: Any = str) -> str:
+        lo, hi = min(values), max(values)
+        return phrase(lo) if lo == hi else f"{phrase(lo)}-{phrase(hi)}"
+
+    before = span([p.capacity["naive-evict"].max_concurrency for p in replays])
+    after = span([p.capacity["vtoken"].max_concurrency for p in replays])
+    trapped = span([p.evicted.trapped_bytes for p in replays], _bytes_phrase)
+    return (f" The server's lengths are known to within their histogram buckets: from the buckets' lower to upper "
+            f"edges, {before} requests fit without vToken and {after} with it, {trapped} trapped.")
 
 
 def _bytes_phrase(num_bytes: float) -> str:
@@ -113,20 +204,62 @@ def report_to_json(report: AuditReport) -> dict:
         "live": _live_json(report.live),
         "waste_source": "measured" if report.is_waste_measured else "simulated",
         "gpus": {"devices": [asdict(g) for g in report.gpus.devices], "reason": report.gpus.reason},
-        "workload": {
-            "source": str(report.trace.source), "format": report.trace.format,
-            "num_requests": len(report.trace.requests), "concurrency": d.workload.concurrency,
-            "is_bundled_sample": d.workload.is_bundled_sample,
-            "attribution": SAMPLE_ATTRIBUTION if d.workload.is_bundled_sample else None,
-            "notes": list(report.trace.notes),
-        },
-        "policies": {p.policy: _policy_json(p) for p in report.policies},
+        "workload": _workload_json(report),
+        "policies": {p.policy: _policy_json(p, report.ranges(idx)) for idx, p in enumerate(report.policies)},
+        "edges": {edge: {p.policy: _policy_json(p) for p in audits} for edge, audits in report.edges.items()},
         "definitions": {key: text for key, _, text in DEFINITIONS},
         "verdict": report.verdict,
     })
 
 
-def _policy_json(p: PolicyAudit) -> dict:
+def deployment_to_json(deployment_audit: DeploymentAudit) -> dict:
+    """The `--json` object of several replicas: each replica's report, the failures, the sums."""
+    return make_json_safe({
+        "replicas": [report_to_json(r) for r in deployment_audit.replicas],
+        "failures": [asdict(f) for f in deployment_audit.failures],
+        "total": deployment_audit.totals(),
+    })
+
+
+def _workload_json(report: AuditReport) -> dict:
+    w = report.deployment.workload
+    replica, server = w.replica, w.server
+    prompts = np.array([r.num_prompt_tokens for r in report.trace.requests], dtype=float)
+    outputs = np.array([r.num_output_tokens for r in report.trace.requests], dtype=float)
+    return {
+        "source": w.source, "trace": str(report.trace.source), "format": report.trace.format,
+        "num_requests": len(report.trace.requests), "concurrency": w.concurrency,
+        "is_bundled_sample": w.is_bundled_sample,
+        "attribution": SAMPLE_ATTRIBUTION if w.is_bundled_sample else None,
+        "num_requests_observed": replica.num_requests_observed if replica is not None else None,
+        "num_requests_by_reason": dict(replica.num_requests_by_reason) if replica is not None else None,
+        "prompt_tokens": _lengths_json(replica.prompt_tokens) if replica is not None else _trace_lengths(prompts),
+        "output_tokens": _lengths_json(replica.output_tokens) if replica is not None else _trace_lengths(outputs),
+        "prefix_cache_hit_ratio": replica.prefix_cache_hit_ratio if replica is not None else None,
+        "request_rate_per_s": replica.request_rate_per_s if replica is not None else None,
+        "window_s": server.window_s if server is not None else None,
+        "server_concurrency": replica.concurrency if replica is not None else None,
+        "engine": replica.engine if replica is not None else None,
+        "notes": list(dict.fromkeys([*w.notes, *report.trace.notes])),
+    }
+
+
+def _lengths_json(dist: LengthDistribution) -> dict:
+    return {**_stats_json(dist.mid), "low": _stats_json(dist.low), "high": _stats_json(dist.high),
+            "buckets": [{"lo": lo, "hi": hi, "num_requests": n} for (lo, hi), n in
+                        zip(dist.bucket_tokens, np.diff(dist.cumulative_counts, prepend=0.0).tolist(), strict=True) if n]}
+
+
+def _stats_json(stats: LengthStats) -> dict:
+    return {"mean": float(stats.mean), "p50": float(stats.p50), "p90": float(stats.p90)}
+
+
+def _trace_lengths(lengths: np.ndarray) -> dict:
+    return {"mean": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
+            "p90": float(np.percentile(lengths, 90))}
+
+
+def _policy_json(p: PolicyAudit, ranges: dict[str, Any] | None = None) -> dict:
     run = p.evicted
     return {
         "waste_ratio": run.waste_ratio,
@@ -145,6 +278,7 @@ def _policy_json(p: PolicyAudit) -> dict:
                    "trapped_bytes": p.runs["vtoken"].trapped_bytes},
         "preemptions": {v: r.preemptions for v, r in p.runs.items()},
         "num_skipped": {v: len(r.skipped) for v, r in p.runs.items()},
+        "ranges": ranges,
     }
 
 
@@ -169,8 +303,11 @@ def report_rows(report: AuditReport) -> list[dict[str, Any]]:
     rows = []
     for p in report.policies:
         row: dict[str, Any] = {"policy": p.policy}
-        for key, value in _policy_json(p).items():
-            if isinstance(value, dict):
+        policy_json = _policy_json(p, report.ranges(report.policies.index(p)))
+        for key, value in policy_json.items():
+            if key == "ranges":
+                row.update(_flat_ranges(value or {}))
+            elif isinstance(value, dict):
                 row.update({f"{key}.{k}": v for k, v in value.items() if not isinstance(v, list)})
             elif isinstance(value, list):
                 row.update({f"{key}.{i}": v for i, v in enumerate(value)})
@@ -178,3 +315,14 @@ def report_rows(report: AuditReport) -> list[dict[str, Any]]:
                 row[key] = value
         rows.append(make_json_safe(row))
     return rows
+
+
+def _flat_ranges(ranges: Mapping[str, Any], prefix: str = "ranges") -> dict[str, Any]:
+    """{"ranges.trapped_bytes.min": ..., "ranges.max_concurrency.vtoken.max": ...}"""
+    flat: dict[str, Any] = {}
+    for key, value in ranges.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat_ranges(value, f"{prefix}.{key}"))
+        else:
+            flat.update({f"{prefix}.{key}.min": value[0], f"{prefix}.{key}.max": value[1]})
+    return flat

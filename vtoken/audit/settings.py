@@ -17,7 +17,9 @@ A deployment TOML (every unknown section or key is an error; paths are relative 
                 concurrency = 16                closed-loop clients
                 frontier_max_concurrency = 64   largest C the capacity search tries
     [endpoint]  url, timeout_s = 5              read the live server too; it supplies what
-                                                [model] and [engine] leave out
+                                                [model] and [engine] leave out, and the
+                                                workload when [workload] gives no trace
+                window_s = 30                   scrape twice this far apart: the request rate
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ _SCHEMA: dict[str, dict[str, str]] = {
     "eviction": {"policies": "strs", "budget": "budget", "interval_tokens": "int"},
     "workload": {"trace": "str", "format": "str", "time_unit": "str", "max_requests": "int", "concurrency": "int",
                  "frontier_max_concurrency": "int"},
-    "endpoint": {"url": "str", "timeout_s": "seconds"},
+    "endpoint": {"url": "str", "timeout_s": "seconds", "window_s": "seconds"},
 }
 _GEOMETRY_KEYS = ("num_layers", "num_kv_heads", "head_dim", "num_attention_heads", "hidden_size", "num_params")
 
@@ -69,6 +71,7 @@ class Overrides:
     concurrency: int | None = None
     frontier_max_concurrency: int | None = None
     timeout_s: float | None = None
+    window_s: float | None = None  # seconds between two scrapes of a server (its request rate)
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -80,6 +83,8 @@ class Overrides:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.window_s is not None and not self.window_s > 0:
+            raise ConfigError(f"--window must be > 0 seconds, got {self.window_s}")
         if self.policies is not None:
             check_policies(self.policies, "--policy")
         if self.budget is not None:
@@ -113,6 +118,7 @@ class Settings:
     frontier_max_concurrency: int | None = None
     endpoint_url: str | None = field(default=None, repr=False)  # may hold credentials: never shown
     timeout_s: float = DEFAULT_TIMEOUT_S
+    window_s: float | None = None
     seed: int = 0
     notes: tuple[str, ...] = ()
 
@@ -199,6 +205,7 @@ def _settings_from_toml(data: dict, where: str, base_dir: Path) -> Settings:
         frontier_max_concurrency=workload.get("frontier_max_concurrency"),
         endpoint_url=endpoint.get("url"),
         timeout_s=float(endpoint.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        window_s=float(endpoint["window_s"]) if "window_s" in endpoint else None,
     )
 
 
