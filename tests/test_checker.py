@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken import checker
 from vtoken.checker import (
-    FAULT_DETECTED_BY, FAULT_KINDS, CheckOptions, OverlappingDeferredCopyEngine, ReportAfterForwardCopyEngine,
-    TraceLimits, bundled_sample_traces, check_invariants, check_plan_independently, kv_content, report_to_json,
-    scale_requests,
+    FAULT_DETECTED_BY, FAULT_KINDS, CheckOptions, TraceLimits, build_scenarios, bundled_sample_traces, check_invariants,
+    report_to_json, scale_requests,
 )
+from vtoken.checker import sim as sim_checker
+from vtoken.checker.contents import kv_content
+from vtoken.checker.copies import ReportAfterForwardCopyEngine, make_copy_engine
+from vtoken.checker.faults import FAULTS
+from vtoken.checker.observer import check_plan_independently
 from vtoken.engine.config import EvictionConfig, RunConfig
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.hardware import resolve_gpu
@@ -98,7 +101,7 @@ def test_report_groups_by_policy_and_mode_and_counts_every_event() -> None:
 
 
 def test_the_fault_names_the_cli_shows_are_the_fault_classes() -> None:
-    assert tuple(checker.FAULTS) == FAULT_KINDS
+    assert tuple(FAULTS) == FAULT_KINDS
     assert list(FAULT_DETECTED_BY) == list(FAULT_KINDS)
 
 
@@ -185,16 +188,19 @@ def make_plan():
     return kv_cache, plan
 
 
-def test_deferred_harness_lands_the_copy_only_after_the_next_forward() -> None:
+def test_a_deferred_copy_lands_only_after_the_next_forward() -> None:
+    """The runtime polls once per step, before the forward (and right after a launch only in
+    sync mode): a deferred copy is still in flight at the first poll, so the next forward runs
+    with it in flight, and lands at the second."""
     kv_cache, plan = make_plan()
-    engine = OverlappingDeferredCopyEngine(CopyEngine(kv_cache, "deferred"))
+    engine = make_copy_engine(kv_cache)
+    assert engine.mode == "deferred"
     engine.launch(plan)
-    assert engine.poll_completed() == []  # the runtime's poll right after launching
     engine.wait_before_forward()
     assert engine.poll_completed() == []  # before the next forward: still in flight
     assert engine.in_flight_plans == [plan]
     assert not np.array_equal(kv_cache.read(torch.tensor([1, 2])).numpy(), kv_content(0, np.array([8, 9])))
-    assert engine.poll_completed() == [plan]  # after it
+    assert engine.poll_completed() == [plan]  # before the forward after it
     assert np.array_equal(kv_cache.read(torch.tensor([1, 2])).numpy(), kv_content(0, np.array([8, 9])))
 
 
@@ -212,12 +218,17 @@ def test_async_harness_reports_a_landed_copy_only_after_a_forward_ran() -> None:
     assert engine.in_flight_plans == [] and engine.drain() == []
 
 
-def test_the_async_harness_catches_early_reads_too(monkeypatch) -> None:
-    monkeypatch.setattr(checker, "make_copy_engine", lambda kv: ReportAfterForwardCopyEngine(CopyEngine(kv, "sync")))
+def test_the_async_harness_catches_early_reads_too() -> None:
     trace = load_trace(bundled_sample_traces()[0])
-    clean = check_invariants([trace], make_base(), ONE)
+    (scenario,), _ = build_scenarios([trace], make_base(), ONE)
+
+    def check(fault):
+        return sim_checker.check_scenario(scenario, fault, copy_engine_for=lambda kv: ReportAfterForwardCopyEngine(
+            CopyEngine(kv, "sync")))
+
+    clean = check(None)
     assert clean.passed and clean.relocation_events > 0
-    faulty = check_invariants([trace], make_base(), replace(ONE, fault="early-read"))
+    faulty = check("early-read")
     assert {name for name, t in faulty.tallies.items() if t.violations} == {"I3"}
 
 
@@ -237,7 +248,7 @@ def test_cuda_async_copies_pass_clean_and_catch_early_reads() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"executor": "vllm"}, "unknown executor 'vllm'; check-invariants runs on: sim, hf"),
+    ({"executor": "tpu"}, "unknown executor 'tpu'; check-invariants runs on: sim, hf, vllm"),
     ({"policies": ("lru",)}, "unknown policy 'lru'"),
     ({"reclaim_modes": ("magic",)}, "unknown reclaim mode 'magic'"),
     ({"fault": "bit-flip"}, "unknown fault 'bit-flip'; choose one of: drop-copy, stale-slot, double-map, early-read, shared-block"),

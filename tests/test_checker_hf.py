@@ -15,12 +15,12 @@ import torch
 from typer.testing import CliRunner
 
 from vtoken.checker import (
-    FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, INVARIANTS, TINY_MODEL_NAME, CheckOptions, ModelKVSnapshots, TraceLimits,
-    check_invariants, load_check_model, report_to_json,
+    FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, INVARIANTS, CheckOptions, TraceLimits, check_invariants, report_to_json,
 )
 from vtoken.checker import observer as observer_module
+from vtoken.checker.hf import TINY_MODEL_NAME, load_check_model
+from vtoken.checker.snapshots import ModelKVSnapshots
 from vtoken.engine.config import RunConfig
-from vtoken.errors import ConfigError
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
@@ -171,9 +171,10 @@ def test_a_dropped_copy_is_reported_where_the_token_now_lives(tiny, trace_path) 
     assert report.tallies["I3"].violations == 0  # the lost K/V was restored after the report
 
 
-def test_hf_needs_a_model() -> None:
-    with pytest.raises(ConfigError, match="needs a model"):
-        check_invariants([], make_base(), ONE)
+def test_without_a_model_the_hf_check_runs_a_tiny_random_llama() -> None:
+    report = check_invariants([], make_base(), ONE)
+    assert report.base.model.name == TINY_MODEL_NAME and report.runs == ()
+    assert any("temporary directory" in note for note in report.notes)
 
 
 # ---- the CLI -------------------------------------------------------------------------------------------

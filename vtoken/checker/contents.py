@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vtoken.checker.report import KVLayout
 from vtoken.kv.kv_cache import PagedKVCache
 from vtoken.kv.reclaim import RelocationPlan
 from vtoken.kv.token_table import TokenTable
@@ -19,6 +20,7 @@ from vtoken.trace import Request
 
 KV_NUM_LAYERS, KV_NUM_HEADS, KV_HEAD_DIM = 2, 2, 8
 KV_DTYPE = torch.float32
+SYNTHETIC_KV_LAYOUT = KVLayout(KV_NUM_LAYERS, KV_NUM_HEADS, KV_HEAD_DIM, str(KV_DTYPE).removeprefix("torch."))
 
 
 def kv_content(owner: int, token_ids: np.ndarray) -> np.ndarray:

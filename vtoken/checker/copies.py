@@ -1,10 +1,10 @@
-"""The copy engine of a checked run, and the wrappers that keep every copy in flight across
-the next forward, so that the ordering the runtime must respect really has a window:
+"""The copy engine of a checked run, which keeps every copy in flight across the next forward,
+so that the ordering the runtime must respect really has a window:
 
-- on CPU the copy engine runs `deferred` and its data lands only after that forward
-  (`OverlappingDeferredCopyEngine`);
-- on CUDA it runs `async` on a side stream and its completion is reported only after that
-  forward (`ReportAfterForwardCopyEngine`).
+- on CPU the copy engine runs `deferred`: the runtime polls once per step, before the forward,
+  and a deferred copy lands at its second poll, so its data lands only after the next forward;
+- on CUDA it runs `async` on a side stream, and `ReportAfterForwardCopyEngine` reports its
+  completion only after that forward (a small copy may land before the host polls again).
 
 `CopyEngineWrapper` is also the base of the fault that substitutes plans (`faults.py`).
 """
@@ -25,7 +25,7 @@ def make_copy_engine(kv_cache: PagedKVCache) -> CopyEngine:
     """The copy engine of a checked run: every plan stays in flight across the next forward."""
     engine = CopyEngine(kv_cache, copy_mode_for(kv_cache.device.type))
     if engine.mode == "deferred":
-        return OverlappingDeferredCopyEngine(engine)
+        return engine
     return ReportAfterForwardCopyEngine(engine)
 
 
@@ -55,35 +55,6 @@ class CopyEngineWrapper:
         self._inner.cancel(req_id)
 
     def drain(self) -> list[RelocationPlan]:
-        return self._inner.drain()
-
-
-class OverlappingDeferredCopyEngine(CopyEngineWrapper):
-    """`deferred` copies that stay in flight across the next forward, as a copy on a side stream
-    overlaps the next forward on a GPU.
-
-    The runtime polls right after it launches (so that `sync` plans complete in the same step).
-    A deferred copy completes at its second poll, so with that poll counted the data would land
-    at the start of the next step, before its forward: no forward would ever run with a copy in
-    flight, and I3 would have nothing to check. The poll right after a launch is not passed on.
-    """
-
-    def __init__(self, inner: CopyEngine) -> None:
-        super().__init__(inner)
-        self._has_launched_since_poll = False
-
-    def launch(self, plan: RelocationPlan) -> None:
-        self._inner.launch(plan)
-        self._has_launched_since_poll = True
-
-    def poll_completed(self) -> list[RelocationPlan]:
-        if self._has_launched_since_poll:
-            self._has_launched_since_poll = False
-            return []
-        return self._inner.poll_completed()
-
-    def drain(self) -> list[RelocationPlan]:
-        self._has_launched_since_poll = False
         return self._inner.drain()
 
 

@@ -1,6 +1,8 @@
-"""Faults the checker must catch (`--inject-fault`). Each wraps the copy engine, the planner or
-a table's `apply_moves`; the production classes carry no fault flags. Which invariant catches
-each one:
+"""Faults the checker must catch (`--inject-fault`). A fault is a set of faulty parts that the
+run is built with: a copy engine wrapping the real one, a reclaimer subclass, a token table
+subclass (the runtime takes `copy_engine`, `planner_factory` and `table_factory`); nothing is
+replaced on a live object, and the production classes carry no fault flags. Which invariant
+catches each one:
 
     drop-copy     a move is applied to the table but its data is not copied           I1
     stale-slot    the slot cache keeps the pre-move slots; attention reads the freed
@@ -11,14 +13,14 @@ each one:
 
 The same faults go inside vLLM (`check-invariants --executor vllm`), where the scheduler's
 tracker repoints a request's table when it compacts it and the model runner copies the K/V at
-the start of the next step, before that step's forward. `wrap_vllm_runner` replaces methods of
-one model runner instance (engine/vllm/worker.py); `adopt_vllm_table` sees each token table the
-tracker creates:
+the start of the next step, before that step's forward. There the parts are the runner's
+copier and lengths (`VTokenRunnerMixin.vtoken_use`, engine/vllm/worker.py) and the
+tracker's token tables (`VTokenScheduler.reconfigure(settings, table_factory=...)`):
 
     drop-copy     the runner's copy skips the first move of every step                 I1
     stale-slot    the runner's read lengths keep the pre-relocation evicted count, so
                   attention reads past the live tokens, over the slots they left       I3
-    double-map    the tracker's tables, wrapped as in the sim                           I2
+    double-map    the tracker's tables, the same subclass as in the sim                I2
     early-read    the runner copies after the forward that reads the moved tokens      I3
     shared-block  refused (`vllm_refusal`): vLLM runs vToken with prefix caching off,
                   so no block is ever shared
@@ -26,21 +28,26 @@ tracker creates:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
 from vtoken.checker.copies import CopyEngineWrapper
-from vtoken.checker_names import FAULT_DETECTED_BY, FAULT_KINDS  # noqa: F401  (re-exported)
-from vtoken.engine.runtime import Runtime
+from vtoken.checker.names import FAULT_DETECTED_BY, FAULT_KINDS  # noqa: F401  (re-exported)
 from vtoken.errors import ConfigError
+from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
 from vtoken.kv.token_table import Moves, TokenTable
 
+PlannerFactory = Callable[[ReclaimConfig, BlockPool], Reclaimer]  # as vtoken.engine.runtime's
+TableFactory = Callable[[int, BlockPool, int], TokenTable]  # (req_id, pool, capacity), as vtoken.engine.scheduler's
+
+
 class Fault:
-    """No fault: the real copy engine, planner and tables. Subclasses wrap one of them."""
+    """No fault: the real copy engine, planner and tables. Subclasses return faulty ones."""
 
     kind: str | None = None
     vllm_refusal: str | None = None  # why the fault cannot be injected inside vLLM, if it cannot
@@ -48,20 +55,34 @@ class Fault:
     def __init__(self) -> None:
         self.num_injected = 0
 
-    def wrap_copy_engine(self, engine: CopyEngine) -> CopyEngine:
+    # ---- sim and hf: the runtime's parts ---------------------------------------------------------
+
+    def copy_engine(self, engine: CopyEngine) -> CopyEngine:
+        """The copy engine the run uses, given the real one."""
         return engine
 
-    def wrap_runtime(self, runtime: Runtime) -> None:
-        """Replace parts of a freshly built runtime (its planner)."""
+    def planner_factory(self) -> PlannerFactory:
+        return Reclaimer
 
-    def adopt_table(self, table: TokenTable) -> None:
-        """See a token table as it is created (before any relocation touches it)."""
+    def table_factory(self) -> TableFactory:
+        return TokenTable
 
-    def wrap_vllm_runner(self, runner) -> None:
-        """Replace methods of vLLM's model runner (a `VTokenRunnerMixin`) on this instance."""
+    # ---- vLLM: the model runner's and the scheduler's parts ------------------------------------
 
-    def adopt_vllm_table(self, table: TokenTable) -> None:
-        """See a token table of vLLM's scheduler as it is created (before any relocation)."""
+    def vllm_copier(self) -> object | None:
+        """A `StepCopier` for the model runner (engine/vllm/worker.py), or None: the runner's own."""
+        return None
+
+    def vllm_lengths(self) -> object | None:
+        """A `PhysicalLengths` for the model runner, or None: the runner's own."""
+        return None
+
+    def vllm_table_factory(self) -> TableFactory:
+        """The token table of every tracker the scheduler makes."""
+        return TokenTable
+
+
+# ---- drop-copy ---------------------------------------------------------------------------------
 
 
 class _SubstitutingCopyEngine(CopyEngineWrapper):
@@ -103,12 +124,31 @@ def _with_moves(plan: RelocationPlan, kept: np.ndarray) -> RelocationPlan:
     return replace(plan, moves=moves)
 
 
+class _CopyAllButFirst:
+    """vLLM: the runner copies every move of a step but the first (a `StepCopier`)."""
+
+    def __init__(self, fault: Fault) -> None:
+        self._fault = fault
+
+    def copy_slots(self, src_slots, dst_slots, copy: Callable) -> int:
+        if src_slots.numel() == 0:
+            return copy(src_slots, dst_slots)
+        self._fault.num_injected += 1
+        return copy(src_slots[1:], dst_slots[1:])
+
+    def before_forward(self, plan, copy_step: Callable) -> None:
+        copy_step(plan)
+
+    def after_forward(self, copy_step: Callable) -> None:
+        pass
+
+
 class DropCopy(Fault):
     """The first move of every plan is applied to the table but its K/V is never copied."""
 
     kind = "drop-copy"
 
-    def wrap_copy_engine(self, engine: CopyEngine) -> CopyEngine:
+    def copy_engine(self, engine: CopyEngine) -> CopyEngine:
         return _SubstitutingCopyEngine(engine, self._drop_first_move)
 
     def _drop_first_move(self, plan: RelocationPlan) -> tuple[RelocationPlan, RelocationPlan]:
@@ -117,16 +157,33 @@ class DropCopy(Fault):
         self.num_injected += 1
         return _with_moves(plan, np.arange(1, plan.moves.num_moves)), plan
 
-    def wrap_vllm_runner(self, runner) -> None:
-        copy_slots = runner._vtoken_copy_slots
+    def vllm_copier(self) -> _CopyAllButFirst:
+        return _CopyAllButFirst(self)
 
-        def copy_all_but_first(src_slots, dst_slots) -> int:
-            if src_slots.numel() == 0:
-                return copy_slots(src_slots, dst_slots)
-            self.num_injected += 1
-            return copy_slots(src_slots[1:], dst_slots[1:])
 
-        runner._vtoken_copy_slots = copy_all_but_first
+# ---- early-read --------------------------------------------------------------------------------
+
+
+class _CopyAfterTheForward:
+    """vLLM: in vLLM the tables are repointed when a compaction is planned and the copy runs at
+    the start of the next step. This copier runs it after that step's forward has read the
+    tokens (a `StepCopier`)."""
+
+    def __init__(self, fault: Fault) -> None:
+        self._fault = fault
+        self._deferred: list = []  # StepPlans whose copy waits for the forward
+
+    def copy_slots(self, src_slots, dst_slots, copy: Callable) -> int:
+        return copy(src_slots, dst_slots)
+
+    def before_forward(self, plan, copy_step: Callable) -> None:
+        if plan.num_moves:
+            self._fault.num_injected += 1
+            self._deferred.append(plan)
+
+    def after_forward(self, copy_step: Callable) -> None:
+        while self._deferred:
+            copy_step(self._deferred.pop(0))
 
 
 class EarlyRead(Fault):
@@ -136,12 +193,17 @@ class EarlyRead(Fault):
 
     def __init__(self) -> None:
         super().__init__()
-        self._tables: dict[int, TokenTable] = {}
+        self._tables: dict[int, TokenTable] = {}  # req_id -> its table (the latest: preemption makes a new one)
 
-    def adopt_table(self, table: TokenTable) -> None:
-        self._tables[table.req_id] = table
+    def table_factory(self) -> TableFactory:
+        return self._make_table
 
-    def wrap_copy_engine(self, engine: CopyEngine) -> CopyEngine:
+    def _make_table(self, req_id: int, pool: BlockPool, capacity: int = 64) -> TokenTable:
+        table = TokenTable(req_id, pool, capacity)
+        self._tables[req_id] = table
+        return table
+
+    def copy_engine(self, engine: CopyEngine) -> CopyEngine:
         return _SubstitutingCopyEngine(engine, self._repoint_at_launch)
 
     def _repoint_at_launch(self, plan: RelocationPlan) -> tuple[RelocationPlan, RelocationPlan]:
@@ -149,24 +211,65 @@ class EarlyRead(Fault):
         self.num_injected += 1
         return plan, _with_moves(plan, np.zeros(0, dtype=np.int64))  # nothing left to apply
 
-    def wrap_vllm_runner(self, runner) -> None:
-        """In vLLM the tables are repointed when a compaction is planned; the copy runs at the
-        start of the next step. Here it runs after that step's forward has read the tokens."""
-        copy, execute_model = runner._vtoken_copy, runner.execute_model
-        deferred = []
+    def vllm_copier(self) -> _CopyAfterTheForward:
+        return _CopyAfterTheForward(self)
 
-        def copy_after_the_forward(plan) -> None:
-            if plan.num_moves:
-                self.num_injected += 1
-                deferred.append(plan)
 
-        def execute_model_then_copy(*args, **kwargs):
-            output = execute_model(*args, **kwargs)
-            while deferred:
-                copy(deferred.pop(0))
-            return output
+# ---- stale-slot --------------------------------------------------------------------------------
 
-        runner._vtoken_copy, runner.execute_model = copy_after_the_forward, execute_model_then_copy
+
+class _StaleSlotTable(TokenTable):
+    """`slots()` keeps naming the sources of the table's last relocation, which are freed and
+    reused; the mapping (`token_slots`) and the data are right."""
+
+    def __init__(self, req_id: int, pool: BlockPool, capacity: int = 64, *, fault: Fault) -> None:
+        super().__init__(req_id, pool, capacity)
+        self._fault = fault
+        self._old_slot_of: dict[int, int] = {}  # token id -> its slot before the last relocation
+
+    def apply_moves(self, moves: Moves) -> None:
+        super().apply_moves(moves)
+        if moves.num_moves:
+            self._old_slot_of = dict(zip(moves.token_ids.tolist(), moves.src_slots(self.block_size).tolist()))
+            self._fault.num_injected += 1
+
+    def slots(self) -> np.ndarray:
+        live_ids = self.live_token_ids()
+        moved = np.fromiter(self._old_slot_of, dtype=np.int64, count=len(self._old_slot_of))
+        moved = moved[np.isin(moved, live_ids)]
+        if moved.size == 0:
+            return super().slots()
+        read_slots = super().slots().copy()
+        read_slots[np.searchsorted(live_ids, moved)] = [self._old_slot_of[t] for t in moved.tolist()]
+        return read_slots
+
+
+class _ReadLengthsWithoutRefresh:
+    """vLLM's attention reads positions 0..seq_len-1 of a request's block list, and the runner
+    shortens seq_len by the evicted count. Here that count is not refreshed after a relocation:
+    the read keeps the extent from before it, over the slots the moved tokens left (the new
+    tokens' write slots stay right). A `PhysicalLengths`."""
+
+    def __init__(self, fault: Fault) -> None:
+        self._fault = fault
+        self._last_seen: dict[str, int] = {}  # req id -> evicted count it was last read with
+        self._before_relocation: dict[str, int] = {}  # req id -> evicted count before its last relocation
+
+    def write_offsets(self, num_evicted: dict[str, int]) -> dict[str, int]:
+        return num_evicted
+
+    def read_offsets(self, num_evicted: dict[str, int]) -> dict[str, int]:
+        stale = {}
+        for req_id, num in num_evicted.items():
+            previous = self._last_seen.get(req_id, 0)
+            if num > previous:
+                self._before_relocation[req_id] = previous
+                self._fault.num_injected += 1
+            elif num < previous:  # rebuilt after a preemption, or a new request with the same id
+                self._before_relocation.pop(req_id, None)
+            self._last_seen[req_id] = num
+            stale[req_id] = self._before_relocation.get(req_id, num)
+        return stale
 
 
 class StaleSlot(Fault):
@@ -175,52 +278,30 @@ class StaleSlot(Fault):
 
     kind = "stale-slot"
 
-    def adopt_table(self, table: TokenTable) -> None:
-        apply_moves, slots = table.apply_moves, table.slots
-        old_slot_of: dict[int, int] = {}  # token id -> its slot before the last relocation
+    def table_factory(self) -> TableFactory:
+        return partial(_StaleSlotTable, fault=self)
 
-        def apply_moves_without_refresh(moves: Moves) -> None:
-            apply_moves(moves)
-            if moves.num_moves:
-                old_slot_of.clear()
-                old_slot_of.update(zip(moves.token_ids.tolist(), moves.src_slots(table.block_size).tolist()))
-                self.num_injected += 1
+    def vllm_lengths(self) -> _ReadLengthsWithoutRefresh:
+        return _ReadLengthsWithoutRefresh(self)
 
-        def stale_slots() -> np.ndarray:
-            live_ids = table.live_token_ids()
-            moved = np.fromiter(old_slot_of, dtype=np.int64, count=len(old_slot_of))
-            moved = moved[np.isin(moved, live_ids)]
-            if moved.size == 0:
-                return slots()
-            read_slots = slots().copy()
-            read_slots[np.searchsorted(live_ids, moved)] = [old_slot_of[t] for t in moved.tolist()]
-            return read_slots
 
-        table.apply_moves, table.slots = apply_moves_without_refresh, stale_slots
+# ---- double-map --------------------------------------------------------------------------------
 
-    def wrap_vllm_runner(self, runner) -> None:
-        """vLLM's attention reads positions 0..seq_len-1 of a request's block list, and the
-        runner shortens seq_len by the evicted count. Here that count is not refreshed after a
-        relocation: the read keeps the extent from before it, over the slots the moved tokens
-        left (the new tokens' write slots stay right)."""
-        read_lengths = runner._vtoken_read_lengths
-        last_seen: dict[str, int] = {}  # req id -> evicted count it was last read with
-        before_relocation: dict[str, int] = {}  # req id -> evicted count before its last relocation
 
-        def read_lengths_without_refresh(num_evicted: dict[str, int]) -> None:
-            stale = {}
-            for req_id, num in num_evicted.items():
-                previous = last_seen.get(req_id, 0)
-                if num > previous:
-                    before_relocation[req_id] = previous
-                    self.num_injected += 1
-                elif num < previous:  # rebuilt after a preemption, or a new request with the same id
-                    before_relocation.pop(req_id, None)
-                last_seen[req_id] = num
-                stale[req_id] = before_relocation.get(req_id, num)
-            read_lengths(stale)
+class _DoubleMapTable(TokenTable):
+    """After `apply_moves`, the last moved live token is pointed at the first one's slot."""
 
-        runner._vtoken_read_lengths = read_lengths_without_refresh
+    def __init__(self, req_id: int, pool: BlockPool, capacity: int = 64, *, fault: Fault) -> None:
+        super().__init__(req_id, pool, capacity)
+        self._fault = fault
+
+    def apply_moves(self, moves: Moves) -> None:
+        super().apply_moves(moves)
+        live = moves.token_ids[self.live[moves.token_ids]]
+        if live.size >= 2:
+            first, last = int(live[0]), int(live[-1])
+            self._slot[last] = self._slot[first]  # the table's own mapping, behind the pool's back
+            self._fault.num_injected += 1
 
 
 class DoubleMap(Fault):
@@ -228,37 +309,27 @@ class DoubleMap(Fault):
 
     kind = "double-map"
 
-    def adopt_table(self, table: TokenTable) -> None:
-        apply_moves = table.apply_moves
+    def table_factory(self) -> TableFactory:
+        return partial(_DoubleMapTable, fault=self)
 
-        def apply_moves_mapping_twice(moves: Moves) -> None:
-            apply_moves(moves)
-            live = moves.token_ids[table.live[moves.token_ids]]
-            if live.size >= 2:
-                first, last = int(live[0]), int(live[-1])
-                table.token_slots[last] = table.token_slots[first]  # a view: the table's own mapping
-                self.num_injected += 1
-
-        table.apply_moves = apply_moves_mapping_twice
-
-    adopt_vllm_table = adopt_table  # the tracker compacts through the table's apply_moves too
+    vllm_table_factory = table_factory  # the tracker compacts through the table's apply_moves too
 
 
-class _SharedBlockPlanner:
+# ---- shared-block ------------------------------------------------------------------------------
+
+
+class _SharedBlockReclaimer(Reclaimer):
     """A reclaimer whose plans also free a shared prefix block: the request's own pinned prefix
     block if it holds one, else a block another request shares (reference count above one)."""
 
-    def __init__(self, inner, fault: SharedBlock) -> None:
-        self._inner = inner
+    def __init__(self, config: ReclaimConfig, pool: BlockPool, *, fault: Fault) -> None:
+        super().__init__(config, pool)
         self._fault = fault
 
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-    def plan(self, tables, busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
+    def plan(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
         tables = list(tables)
         by_id = {t.req_id: t for t in tables}
-        return [self._with_shared_block(plan, by_id[plan.req_id], tables) for plan in self._inner.plan(tables, busy_req_ids)]
+        return [self._with_shared_block(plan, by_id[plan.req_id], tables) for plan in super().plan(tables, busy_req_ids)]
 
     def _with_shared_block(self, plan: RelocationPlan, table: TokenTable, tables: list[TokenTable]) -> RelocationPlan:
         if table.num_pinned_blocks:
@@ -273,16 +344,15 @@ class _SharedBlockPlanner:
 
 
 class SharedBlock(Fault):
-    """Plans also free a shared prefix block (see `_SharedBlockPlanner`). The runtime's own
+    """Plans also free a shared prefix block (see `_SharedBlockReclaimer`). The runtime's own
     `check_plan` gate raises before launch; the run records that I4 violation and stops."""
 
     kind = "shared-block"
     vllm_refusal = ("vToken runs vLLM with prefix caching off (engine/vllm/support.py), so no KV block is ever "
                     "shared between requests and a compaction has no shared block to name")
 
-    def wrap_runtime(self, runtime: Runtime) -> None:
-        if runtime.reclaimer is not None:
-            runtime.reclaimer = _SharedBlockPlanner(runtime.reclaimer, self)
+    def planner_factory(self) -> PlannerFactory:
+        return partial(_SharedBlockReclaimer, fault=self)
 
 
 FAULTS: dict[str, type[Fault]] = {f.kind: f for f in (DropCopy, StaleSlot, DoubleMap, EarlyRead, SharedBlock)}

@@ -6,10 +6,10 @@ executor's paged KV tensor and reads exactly `table.slots()`, and the checked co
 observer is the sim path's; only its `contents` differ (`ModelKVSnapshots`, snapshots.py: I1
 compares every relocated request's K/V with a snapshot taken before the launch, bit for bit).
 
-    load_check_model        smollm2-135m, a local folder, or (default) a tiny random Llama
-                            built in a temporary directory
-    check_on_model          every scenario on the model -> CheckReport
-        check_hf_scenario   one scenario -> RunCheck
+    HFChecker.check             every scenario on the model -> CheckReport
+        load_check_model        smollm2-135m, a local folder, or (default) a tiny random Llama
+                                built in a temporary directory (when not given one loaded)
+        check_hf_scenario       one scenario -> RunCheck
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from vtoken.checker.copies import copy_mode_for, make_copy_engine
 from vtoken.checker.faults import make_fault
 from vtoken.checker.observer import CheckingObserver, run_checked, torch_threads
 from vtoken.checker.report import CheckReport, KVLayout, RunCheck
-from vtoken.checker.scenarios import CheckOptions, Scenario, build_scenarios
+from vtoken.checker.scenarios import CheckOptions, Scenario, build_scenarios, bundled_sample_traces
 from vtoken.checker.snapshots import ModelKVSnapshots
 from vtoken.engine.config import RunConfig
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.models import LoadedModel, load_model
-from vtoken.trace import Trace
+from vtoken.trace import Trace, load_trace
 
 Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
 
@@ -56,11 +56,37 @@ def load_check_model(name_or_path: str | None, device: str | None = None,
     return replace(model, name=TINY_MODEL_NAME, spec=replace(model.spec, name=TINY_MODEL_NAME))
 
 
+class HFChecker:
+    """The hf executor's checker. `model`: a `LoadedModel`, or what `load_check_model` loads
+    (smollm2-135m, a local folder, None: a tiny random Llama), loaded when the check runs."""
+
+    def __init__(self, model: LoadedModel | str | None = None, on_status: Callable[[str], None] | None = None) -> None:
+        self.model = model
+        self.on_status = on_status
+
+    def default_traces(self, options: CheckOptions) -> list[Trace]:
+        """Every bundled sample trace (cut down harder: `HF_LIMITS`); none when fuzz draws are asked for."""
+        return [] if options.num_fuzz_scenarios else [load_trace(p) for p in bundled_sample_traces()]
+
+    def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
+        scenarios, _ = build_scenarios(traces, base, options)
+        return sum(len(s.requests) for s in scenarios)
+
+    def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
+              progress: Progress | None = None) -> CheckReport:
+        model = self.model
+        if not isinstance(model, LoadedModel):
+            if progress is not None:
+                progress(f"loading {model or 'a tiny random Llama'}", 0)
+            model = load_check_model(model, options.device, self.on_status)
+        return check_on_model(traces, base, options, model, progress)
+
+
 def check_on_model(traces: Sequence[Trace], base: RunConfig, options: CheckOptions, model: LoadedModel,
                    progress: Progress | None = None) -> CheckReport:
-    """`check_invariants` on `model`: its KV geometry replaces `base.model`, the block cap is
-    what `base.gpu` leaves for it, and the KV lives where the model does (`options.device` is
-    the sim's)."""
+    """The check on `model`: its KV geometry replaces `base.model`, the block cap is what
+    `base.gpu` leaves for it, and the KV lives where the model does (`options.device` is the
+    sim's)."""
     started = time.perf_counter()
     block_size = options.block_size or base.block_size
     base = replace(base, model=model.spec, num_blocks=num_blocks_for_gpu(model.spec, base.gpu, GPU_MEM_UTIL, block_size))
@@ -71,7 +97,7 @@ def check_on_model(traces: Sequence[Trace], base: RunConfig, options: CheckOptio
         runs.append(check_hf_scenario(scenario, model, options.fault, on_progress))
     device = next(model.model.parameters()).device.type
     return CheckReport(tuple(runs), base, options, device, copy_mode_for(device), tuple(notes) + _notes(model, base.seed),
-                       time.perf_counter() - started, _kv_layout(model))
+                       time.perf_counter() - started, _kv_layout(model), model_kv=True)
 
 
 def check_hf_scenario(scenario: Scenario, model: LoadedModel, fault: str | None = None,
@@ -87,8 +113,8 @@ def check_hf_scenario(scenario: Scenario, model: LoadedModel, fault: str | None 
     injector = make_fault(fault)
     observer = CheckingObserver(scenario, injector)
     runtime = build_hf_runtime(scenario.config, scenario.requests, model, observer=observer,
-                               make_copy_engine=lambda kv_cache: injector.wrap_copy_engine(make_copy_engine(kv_cache)))
-    injector.wrap_runtime(runtime)
+                               make_copy_engine=lambda kv_cache: injector.copy_engine(make_copy_engine(kv_cache)),
+                               planner_factory=injector.planner_factory(), table_factory=injector.table_factory())
     observer.bind(runtime, ModelKVSnapshots(runtime.executor.kv_cache))
     # One thread: a decode step's matrices are small, and on a busy two-core machine two
     # OpenMP threads wait on each other (SmolLM2's [2, 576] x [576, 1536]: 0.12 ms on one, 14 ms on two).

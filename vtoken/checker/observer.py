@@ -95,8 +95,6 @@ class CheckingObserver:
     # ---- events --------------------------------------------------------------------------
 
     def on_synced(self, table: TokenTable, num_tokens_before: int) -> None:
-        if num_tokens_before == 0:
-            self.fault.adopt_table(table)
         token_ids = np.arange(num_tokens_before, table.num_tokens)
         slots = table.block_ids[token_ids] * self.block_size + table.offsets[token_ids]
         self.contents.place(table, token_ids, slots)

@@ -1,14 +1,14 @@
 """What a check found: per invariant a `Tally` (checks run, violations, the first one), per run
 a `RunCheck`, totals per (policy, reclaim mode) and over all (`CheckReport`), and the `--json`
-object (`report_to_json`)."""
+object (`report_to_json`). One report type for every executor (sim, hf, vllm); importable
+without torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vtoken.checker.contents import KV_DTYPE, KV_HEAD_DIM, KV_NUM_HEADS, KV_NUM_LAYERS
+from vtoken.checker.names import CHECK_UNITS, FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
 from vtoken.checker.scenarios import CheckOptions
-from vtoken.checker_names import FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
 from vtoken.engine.config import RunConfig
 
 @dataclass(frozen=True)
@@ -19,10 +19,6 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name: float32, bfloat16, float16
-
-
-# The sim's synthetic K/V (contents.py); the hf executor's is its model's.
-SYNTHETIC_KV_LAYOUT = KVLayout(KV_NUM_LAYERS, KV_NUM_HEADS, KV_HEAD_DIM, str(KV_DTYPE).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -115,9 +111,11 @@ class CheckReport(_Totals):
     options: CheckOptions
     device: str
     copy_mode: str
-    notes: tuple[str, ...]  # how the traces were cut down; hf: which model and prompts
+    notes: tuple[str, ...]  # how the traces were cut down; hf, vllm: which model and prompts, what is not checked
     elapsed_s: float
-    kv_layout: KVLayout = SYNTHETIC_KV_LAYOUT
+    kv_layout: KVLayout  # sim: the synthetic K/V's (contents.py); hf, vllm: the model's
+    check_units: dict[str, str] = field(default_factory=lambda: dict(CHECK_UNITS))  # invariant -> what one check is
+    model_kv: bool = False  # the K/V checked is what a model's forward wrote (hf, vllm), not the synthetic K/V
 
     @property
     def relocation_events_per_s(self) -> float:

@@ -1,8 +1,8 @@
-"""What a check runs: the options (`CheckOptions`, with `TraceLimits` from vtoken/checker_names.py)
-and the scenarios built from them (`build_scenarios`): every trace, cut down to the limits, x
-policy x reclaim mode on a block budget under pressure, plus seeded random draws
-(`fuzz_scenario`). The hf executor runs a real model, so its traces are cut down harder by
-default (`default_limits`, also in checker_names.py)."""
+"""What a check runs: the options (`CheckOptions`, with `TraceLimits` from names.py) and the
+scenarios built from them (`build_scenarios`): every trace, cut down to the limits, x policy x
+reclaim mode on a block budget under pressure, plus seeded random draws (`fuzz_scenario`). The
+hf and vllm executors run a real model, so their traces are cut down harder by default
+(`default_limits`, also in names.py). Importable without torch."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import vtoken
-from vtoken.checker_names import EXECUTORS, FAULT_KINDS, PRESSURE, TraceLimits
+from vtoken.checker.names import EXECUTORS, FAULT_KINDS, PRESSURE, TraceLimits
 from vtoken.engine.config import EvictionConfig, RunConfig
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
@@ -61,8 +60,14 @@ class CheckOptions:
             raise ConfigError(f"--block-size must be > 0, got {self.block_size}")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"unknown device '{self.device}'; choose cpu or cuda")
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and not _has_cuda():
             raise ConfigError("device 'cuda' requested but torch sees no CUDA device")
+
+
+def _has_cuda() -> bool:
+    import torch  # only when cuda is asked for: the options are built before anything runs
+
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Replay a trace on vLLM, once per variant, and report it like the sim does (`RunResult`).
 
-    compare_vllm(trace, config, options, spec)   -> vtoken.compare.CompareReport (executor "vllm")
-    check_invariants_on_vllm(trace, config, model, fault=None)
-                                                 -> VllmCheckReport (one engine, every check on,
-                                                    optionally a checker fault inside it)
+    run_variants_on_vllm(config, requests, spec)  -> {variant: RunResult}
+    replay(llm, config, requests)                 one variant on a built engine
+
+`vtoken compare --executor vllm` reaches these through `vtoken.replay.VllmReplayer`;
+`check-invariants --executor vllm` through `vtoken.checker.vllm` (one engine, every check on).
 
 One in-process engine per variant, built, replayed and shut down in turn. The replay is closed
 loop at `config.concurrency`: each client submits its next request when the previous one
@@ -20,24 +21,19 @@ block budget is vLLM's pool (`config.num_blocks`; one block is vLLM's null block
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 
 from vtoken.engine.config import VARIANTS, RunConfig
-from vtoken.engine.vllm.engine import EngineSpec, model_runner_of, open_llm, scheduler_of
+from vtoken.engine.vllm.engine import EngineSpec, open_llm, scheduler_of
 from vtoken.engine.vllm.settings import VllmSettings
-from vtoken.errors import ConfigError, InvariantError
+from vtoken.errors import ConfigError
 from vtoken.metrics import MemorySample, Recorder, RunResult
-from vtoken.model_spec import model_spec_from_hf_config
-from vtoken.trace import Request, Trace
+from vtoken.trace import Request
 
 Progress = Callable[[str, int], None]
-VLLM_SKIPPED_NOTE = ("--executor vllm measures the three variants only: the concurrency sweep and the capacity "
-                     "frontier need dozens of replays and are skipped (run them with --executor sim)")
 
 
 def held_memory(scheduler) -> MemorySample:
@@ -145,143 +141,3 @@ def default_num_blocks(requests: Sequence[Request], concurrency: int | None, blo
     """Enough blocks for `concurrency` of the longest requests at full length, plus the null block."""
     longest = max(r.num_prompt_tokens + r.num_output_tokens for r in requests)
     return (concurrency or len(requests)) * -(-longest // block_size) + 1
-
-
-def compare_vllm(trace: Trace, config: RunConfig, options, model: str, progress: Progress | None = None,
-                 num_blocks: int | None = None, max_model_len: int = 2048):
-    """`vtoken compare --executor vllm`: the three variants on vLLM, measured; no sweep, no frontier.
-
-    `model` is a local model folder; its config.json gives the KV geometry. `num_blocks` None:
-    enough for `config.concurrency` requests at full length.
-    """
-    from vtoken.analysis import interval
-    from vtoken.compare import CompareReport
-
-    if options.repeats != 1:
-        raise ConfigError(f"--repeats applies to the sim executor; --executor vllm runs once, got --repeats {options.repeats}")
-    folder = Path(model).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"--executor vllm needs --model to be a local model folder with a config.json, got {model!r}")
-    if num_blocks is None:
-        num_blocks = default_num_blocks(trace.requests, config.concurrency, config.block_size)
-    model_spec = replace(model_spec_from_hf_config(folder), dtype_bytes=4)  # the engine runs fp32
-    config = replace(config, model=model_spec, num_blocks=num_blocks)
-    runs = run_variants_on_vllm(config, trace.requests, engine_spec_for(config, str(folder), max_model_len), progress)
-    headline_ci = {variant: {key: interval([value]) for key, value in run.headline().items()} for variant, run in runs.items()}
-    options = replace(options, with_sweep=False, with_frontier=False)
-    trace = replace(trace, notes=trace.notes + (VLLM_SKIPPED_NOTE,))
-    return CompareReport(trace, config, options, runs, headline_ci, (), None, None, "vllm")
-
-
-CHECK_RUNS = tuple((variant, mode) for variant in ("naive-evict", "vtoken") for mode in ("hole-fill", "ordered"))
-
-
-@dataclass(frozen=True)
-class VllmViolation:
-    """The violation that ended a check run on vLLM; block and offset are vLLM's, when known."""
-
-    invariant: str
-    message: str
-    run: str  # "vtoken/hole-fill"
-    block_id: int | None = None
-    offset: int | None = None
-
-
-@dataclass(frozen=True)
-class VllmCheckReport:
-    """`check-invariants --executor vllm`: what was checked, per (variant, reclaim mode).
-
-    Every eviction is followed by I1 (live ids kept), I2 (one slot per live token over all
-    tables, pool counts agree) and I3 (dense live layout), in the scheduler; in the worker,
-    every KV copy is read back byte for byte (I1 on the data) and, before each forward, what
-    attention reads and writes is compared with the token tables, and the copies of the step
-    must have landed (I3). I4 has nothing to check: a compaction is applied when it is planned
-    and no block is shared. A violation is raised inside vLLM's step; the check stops there
-    (`violation`, in the run it names) and the runs after it do not run.
-    """
-
-    runs: dict[str, dict[str, int]]  # "vtoken/hole-fill" -> counters of that replay
-    num_checks: dict[str, int]  # "I1".."I3" -> checks run, over every replay
-    elapsed_s: float = 0.0  # engine start-up included
-    violation: VllmViolation | None = None
-    fault: str | None = None  # the injected fault's kind
-    num_faults_injected: int = 0
-
-    @property
-    def passed(self) -> bool:
-        return self.violation is None
-
-    @property
-    def num_evictions_checked(self) -> int:
-        return sum(r["eviction_events"] for r in self.runs.values())
-
-    @property
-    def num_copies_verified(self) -> int:
-        return sum(r["relocation_events"] for r in self.runs.values())
-
-
-def check_invariants_on_vllm(trace: Trace, config: RunConfig, model: str, num_blocks: int | None = None,
-                             progress: Progress | None = None, fault=None) -> VllmCheckReport:
-    """Replay `trace` with naive-evict and vtoken, both reclaim modes, every check on.
-
-    `fault`: a `vtoken.checker.faults.Fault`, injected into this engine's model runner and
-    the token tables of every replay.
-    """
-    started = time.perf_counter()
-    folder = Path(model).expanduser()
-    if num_blocks is None:
-        num_blocks = default_num_blocks(trace.requests, config.concurrency, config.block_size)
-    config = replace(config, model=replace(model_spec_from_hf_config(folder), dtype_bytes=4), num_blocks=num_blocks)
-    runs, num_checks, violation = {}, Counter(I1=0, I2=0, I3=0), None
-    with open_llm(engine_spec_for(config, str(folder)), settings_for(config, "vtoken")) as llm:
-        runner = model_runner_of(llm)
-        if fault is not None:
-            inject_fault(llm, fault)
-        for variant, mode in CHECK_RUNS:
-            label = f"{variant}/{mode}"
-            checked = replace(config, variant=variant, reclaim=replace(config.reclaim, mode=mode))
-            runner_checks_before = Counter(runner.vtoken_num_checks or {})
-            on_done = (lambda n, v=label: progress(v, n)) if progress else None
-            try:
-                replay(llm, checked, trace.requests, on_done, check_invariants=True)
-            except InvariantError as exc:
-                violation = VllmViolation(exc.invariant, str(exc), label, exc.where.get("block_id"), exc.where.get("offset"))
-            tracker = scheduler_of(llm).vtoken  # replay() reconfigured the scheduler: a new tracker
-            runs[label] = tracker.counters.as_dict()
-            num_checks.update(tracker.num_checks)
-            num_checks.update(Counter(runner.vtoken_num_checks or {}) - runner_checks_before)
-            if violation is not None:
-                break
-    return VllmCheckReport(runs, dict(num_checks), time.perf_counter() - started, violation,
-                           fault.kind if fault is not None else None, fault.num_injected if fault is not None else 0)
-
-
-def inject_fault(llm, fault) -> None:
-    """Put `fault` (a `vtoken.checker.faults.Fault`) into an engine for the rest of its life: its
-    model runner, and the token tables of the scheduler's tracker and of every tracker it makes
-    from now on (one per `reconfigure`)."""
-    fault.wrap_vllm_runner(model_runner_of(llm))
-    scheduler = scheduler_of(llm)
-    _show_new_tables(scheduler.vtoken, fault.adopt_vllm_table)
-    make_tracker = scheduler._make_tracker
-
-    def make_tracker_showing_tables():
-        tracker = make_tracker()
-        _show_new_tables(tracker, fault.adopt_vllm_table)
-        return tracker
-
-    scheduler._make_tracker = make_tracker_showing_tables
-
-
-def _show_new_tables(tracker, adopt: Callable) -> None:
-    """Call `adopt(table)` for every token table `tracker` creates, at its first sync (before
-    any eviction or relocation touches it)."""
-    sync = tracker.sync
-
-    def sync_showing_new_tables(req_id: str, num_new_tokens: int, vllm_block_ids) -> None:
-        sync(req_id, num_new_tokens, vllm_block_ids)
-        table = tracker.requests[req_id].table
-        if table.num_tokens == num_new_tokens:  # new, or rebuilt after a preemption
-            adopt(table)
-
-    tracker.sync = sync_showing_new_tables

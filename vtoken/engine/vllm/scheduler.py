@@ -23,12 +23,14 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from vtoken.engine.scheduler import TableFactory
 from vtoken.engine.vllm.metrics import EngineMetrics
 from vtoken.engine.vllm.plan import PLAN_ATTRIBUTE, SCORES_ATTRIBUTE
 from vtoken.engine.vllm.settings import CONFIG_KEY, VllmSettings, settings_from_additional_config
 from vtoken.engine.vllm.support import check_supported
 from vtoken.engine.vllm.tracker import VTokenTracker
 from vtoken.errors import ConfigError
+from vtoken.kv.token_table import TokenTable
 
 
 class _ShiftedRequest:
@@ -61,6 +63,7 @@ class VTokenScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.vtoken_settings = settings_from_additional_config(self.vllm_config.additional_config)
         check_supported(self.vllm_config, self.kv_cache_config)
+        self._vtoken_table_factory: TableFactory = TokenTable
         self.vtoken = self._make_tracker()
         self.vtoken_metrics = EngineMetrics(self.vtoken_settings, self.vllm_config.model_config.served_model_name)
         self._num_vtoken_steps = 0
@@ -77,12 +80,14 @@ class VTokenScheduler(Scheduler):
         model_config = self.vllm_config.model_config
         num_heads_layers = model_config.hf_text_config.num_attention_heads * model_config.get_total_num_hidden_layers()
         return VTokenTracker(self.vtoken_settings, self.kv_cache_manager.block_pool.num_gpu_blocks,
-                             self.block_size, num_heads_layers)
+                             self.block_size, num_heads_layers, table_factory=self._vtoken_table_factory)
 
-    def reconfigure(self, settings: VllmSettings) -> None:
+    def reconfigure(self, settings: VllmSettings, table_factory: TableFactory | None = None) -> None:
         """Switch variant, policy or reclaim settings between runs (no request in the engine).
 
         The model runner only applies plans, so one engine can replay a trace once per variant.
+        `table_factory`: the token table of this tracker and of every later one (an in-process
+        caller's, e.g. a checker fault's); None keeps the one in use (TokenTable at start).
         """
         if self.get_num_unfinished_requests():
             raise ConfigError("cannot change vToken settings while requests are in the engine")
@@ -90,6 +95,8 @@ class VTokenScheduler(Scheduler):
         self.vllm_config.additional_config[CONFIG_KEY] = settings.to_dict()
         check_supported(self.vllm_config, self.kv_cache_config)
         self.vtoken_settings = settings
+        if table_factory is not None:
+            self._vtoken_table_factory = table_factory
         self.vtoken = self._make_tracker()
         self.vtoken.record_events = record_events
         self._num_vtoken_steps = 0

@@ -24,14 +24,17 @@ On a check run (`StepPlan.verify_copies`, CPU) it also checks, raising Invariant
                                 table gave them; every copy destination already holds its
                                 source's K/V (no read before the copy landed)
 
-The copy, the copy step and the read lengths are separate methods (`_vtoken_copy_slots`,
-`_vtoken_copy`, `_vtoken_read_lengths`): the checker's faults (checker/faults.py) replace them
-on one runner instance.
+How a step's moves are copied and which evicted counts the read lengths and the new tokens'
+slots subtract are two parts, a `StepCopier` and a `PhysicalLengths`; an in-process caller
+hands the runner others with `runner.vtoken_use(...)` (the checker's faults, checker/faults.py).
+Nothing outside replaces the runner's methods.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -52,15 +55,76 @@ else:
     from vllm.v1.worker.gpu_worker import Worker as _StockWorker
 
 
+SlotCopy = Callable[[torch.Tensor, torch.Tensor], int]  # (src slots, dst slots) -> bytes copied
+CopyStep = Callable[[StepPlan], None]  # copies a step's moves (then I1 on a check run)
+
+
+class StepCopier(Protocol):
+    """How and when the runner copies a step's planned moves."""
+
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, copy: SlotCopy) -> int:
+        """Copy these moves with `copy` (the runner's own); bytes copied."""
+
+    def before_forward(self, plan: StepPlan, copy_step: CopyStep) -> None:
+        """At the start of `execute_model`, before the forward."""
+
+    def after_forward(self, copy_step: CopyStep) -> None:
+        """After the forward of `execute_model`."""
+
+
+class PhysicalLengths(Protocol):
+    """Given the scheduler's evicted count per request: the counts the runner subtracts."""
+
+    def read_offsets(self, num_evicted: dict[str, int]) -> dict[str, int]:
+        """What each request's attention read length (seq_len) is shortened by."""
+
+    def write_offsets(self, num_evicted: dict[str, int]) -> dict[str, int]:
+        """What each new token's position is shortened by to give its slot."""
+
+
+class CopyBeforeForward:
+    """The runner's copier: every move, before the forward that reads it."""
+
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, copy: SlotCopy) -> int:
+        return copy(src_slots, dst_slots)
+
+    def before_forward(self, plan: StepPlan, copy_step: CopyStep) -> None:
+        copy_step(plan)
+
+    def after_forward(self, copy_step: CopyStep) -> None:
+        pass
+
+
+class SchedulerLengths:
+    """The runner's lengths: reads cover the live tokens (`seq_len - evicted count`), a new
+    token goes to its physical position (`position - evicted count`)."""
+
+    def read_offsets(self, num_evicted: dict[str, int]) -> dict[str, int]:
+        return num_evicted
+
+    def write_offsets(self, num_evicted: dict[str, int]) -> dict[str, int]:
+        return num_evicted
+
+
 class VTokenRunnerMixin:
     """Goes in front of vLLM's V1 model runner (GPUModelRunner or CPUModelRunner)."""
 
+    _vtoken_copier: StepCopier = CopyBeforeForward()  # stateless defaults, shared
+    _vtoken_lengths: PhysicalLengths = SchedulerLengths()
     _vtoken_plan: StepPlan | None = None
     _vtoken_copy_stream: torch.cuda.Stream | None = None
     _vtoken_collector = None  # attention.ScoreCollector, made on first use
     _vtoken_expected_kv: list[torch.Tensor] | None = None  # check runs: the step's copy sources, before the copy
     vtoken_bytes_copied: int = 0
     vtoken_num_checks: Counter | None = None  # invariant -> checks this runner ran (check runs)
+
+    def vtoken_use(self, *, copier: StepCopier | None = None, lengths: PhysicalLengths | None = None) -> None:
+        """Use these parts from now on, for the rest of the runner's life (None: keep the one
+        in use). For in-process engines: the checker's faults."""
+        if copier is not None:
+            self._vtoken_copier = copier
+        if lengths is not None:
+            self._vtoken_lengths = lengths
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         plan = getattr(scheduler_output, PLAN_ATTRIBUTE, None)
@@ -71,16 +135,18 @@ class VTokenRunnerMixin:
             if plan.verify_copies and plan.num_moves and self.device.type == "cpu":
                 self._vtoken_expected_kv = cpu_gather(self.kv_caches, torch.from_numpy(plan.src_slots),
                                                       self._vtoken_index_map())
-            self._vtoken_copy(plan)
-        return super().execute_model(scheduler_output, intermediate_tensors)
+            self._vtoken_copier.before_forward(plan, self._vtoken_copy)
+        output = super().execute_model(scheduler_output, intermediate_tensors)
+        self._vtoken_copier.after_forward(self._vtoken_copy)
+        return output
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         plan = self._vtoken_plan
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if plan is not None and plan.num_evicted_tokens:
-            self._vtoken_slot_mapping(plan.num_evicted_tokens, num_tokens)
-            self._vtoken_read_lengths(plan.num_evicted_tokens)
+            self._vtoken_slot_mapping(self._vtoken_lengths.write_offsets(plan.num_evicted_tokens), num_tokens)
+            self._vtoken_read_lengths(self._vtoken_lengths.read_offsets(plan.num_evicted_tokens))
         if plan is not None and plan.score_req_ids:
             self._vtoken_collect_scores(plan.score_req_ids)
         if plan is not None and plan.live_slots:
@@ -127,8 +193,9 @@ class VTokenRunnerMixin:
         """The plan's token moves, complete when this returns on CPU; then I1 on a check run."""
         if plan.num_moves == 0:
             return
-        self.vtoken_bytes_copied += self._vtoken_copy_slots(torch.from_numpy(plan.src_slots),
-                                                            torch.from_numpy(plan.dst_slots))
+        self.vtoken_bytes_copied += self._vtoken_copier.copy_slots(torch.from_numpy(plan.src_slots),
+                                                                   torch.from_numpy(plan.dst_slots),
+                                                                   self._vtoken_copy_slots)
         if self._vtoken_expected_kv is not None:
             self._vtoken_check_landed(plan.dst_slots, "I1", f"a KV copy of {plan.num_moves} tokens did not land "
                                       "byte for byte")

@@ -2,10 +2,8 @@
 one check of each is, the faults and the invariant that catches each, the executors, the
 default block-budget pressure and how far traces are cut down.
 
-It sits beside `vtoken/checker/` rather than in it because importing any module of that package
-runs its `__init__`, which imports torch; the CLI renders `--help` from these names and must
-start without torch. `vtoken.checker` (and the modules there that use them) re-export every
-name.
+The CLI renders `--help` from these names and must start without torch; `vtoken.checker`'s
+`__init__` imports nothing heavy, so importing this module costs numpy at most.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ CHECK_UNITS = {
 FAULT_KINDS = ("drop-copy", "stale-slot", "double-map", "early-read", "shared-block")
 FAULT_DETECTED_BY = {"drop-copy": "I1", "stale-slot": "I3", "double-map": "I2", "early-read": "I3", "shared-block": "I4"}
 
-EXECUTORS = ("sim", "hf")
+EXECUTORS = ("sim", "hf", "vllm")
 # Share of the peak blocks of the `concurrency` largest requests that the default budget gives:
 # below 1, so that the pool is under pressure (reclamation, preemption, block reuse).
 PRESSURE = 0.6
@@ -59,6 +57,25 @@ class TraceLimits:
 HF_LIMITS = TraceLimits(max_requests=8, max_prompt_tokens=512, max_output_tokens=64)
 
 
+# vLLM on CPU replays each request four times (two variants x two reclaim modes) with every
+# check on: a handful of short requests.
+VLLM_LIMITS = TraceLimits(max_requests=6, max_prompt_tokens=192, max_output_tokens=48)
+
+DEFAULT_LIMITS = {"sim": TraceLimits(), "hf": HF_LIMITS, "vllm": VLLM_LIMITS}
+
+# What one check of each invariant is inside vLLM (checker/vllm.py): the scheduler checks after
+# every eviction, the worker at every KV copy and before every forward.
+VLLM_CHECK_UNITS = {
+    "I1": "live ids after an eviction, or a step's KV copies read back byte for byte",
+    "I2": "a scan of all tables and the pool after an eviction",
+    "I3": "dense live layout after an eviction, what one request reads and writes in one forward, "
+          "or a step's copies landed before its forward",
+    "I4": "nothing (see the notes)",
+}
+
+
 def default_limits(executor: str) -> TraceLimits:
     """How far traces are cut down unless the options say otherwise."""
-    return HF_LIMITS if executor == "hf" else TraceLimits()
+    if executor not in DEFAULT_LIMITS:
+        raise ConfigError(f"unknown executor '{executor}'; check-invariants runs on: {', '.join(EXECUTORS)}")
+    return DEFAULT_LIMITS[executor]
