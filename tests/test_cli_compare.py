@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vtoken.compare import CompareOptions, compare, report_to_json
+from vtoken.replay import make_replayer
 from vtoken.trace import load_trace
 from vtoken_cli.app import app
 from vtoken_cli.options import build_run_config
@@ -31,7 +32,8 @@ def test_json_equals_the_library_result():
     config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
                               policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
                               concurrency=8, seed=0, sim_profile=None)
-    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8)))
+    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8)), make_replayer("sim"),
+                     num_blocks=600)
     expected = json.loads(json.dumps(report_to_json(report)))
     assert printed == expected
     assert set(printed["variants"]) == {"native", "naive-evict", "vtoken"}
@@ -51,7 +53,8 @@ def test_reclaim_budget_reaches_the_run_and_its_json():
     config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
                               policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
                               concurrency=8, seed=0, sim_profile=None, reclaim_budget=64)
-    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8), with_sweep=False, with_frontier=False))
+    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8), with_sweep=False, with_frontier=False),
+                     make_replayer("sim"), num_blocks=600)
     assert budgeted == json.loads(json.dumps(report_to_json(report)))
 
 

@@ -7,7 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from vtoken.compare import CompareOptions, compare_hf
+from vtoken.compare import CompareOptions, compare
+from vtoken.replay import make_replayer
 from vtoken.models import load_model
 from vtoken.models.tiny import build_tiny_model
 from vtoken.trace import load_trace
@@ -58,7 +59,7 @@ def test_json_reports_measured_speed_quality_and_memory(setup):
     config = build_run_config(model=str(model_dir), gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=4,
                               policy="random", budget="70%", eviction_interval=6, reclaim_mode="hole-fill", theta_f=0.05,
                               concurrency=2, seed=0, sim_profile=None)
-    report = compare_hf(load_trace(trace), config, load_model(str(model_dir)), CompareOptions((1,)))
+    report = compare(load_trace(trace), config, CompareOptions((1,)), make_replayer("hf", model=load_model(str(model_dir))))
     for variant, run in report.runs.items():
         assert printed["variants"][variant]["tokens_evicted"] == run.tokens_evicted
         assert printed["variants"][variant]["tokens_moved"] == run.tokens_moved

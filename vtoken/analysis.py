@@ -28,6 +28,7 @@ DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 12, 16, 22, 32, 48)
 SLA_METRICS = {"e2e": "latency", "ttft": "ttft", "tpot": "tpot"}
 
 Progress = Callable[[str, int], None]  # (stage description, units done)
+Replay = Callable[[RunConfig, Sequence[Request]], RunResult]  # one replay; `run_sim` unless a replayer's
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,13 @@ def run_variants(base: RunConfig, requests: Sequence[Request], variants: Sequenc
 
 def sweep(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
           variants: Sequence[str] = VARIANTS, sla_metric: str = "e2e",
-          progress: Progress | None = None) -> list[SweepPoint]:
+          progress: Progress | None = None, *, replay: Replay = run_sim) -> list[SweepPoint]:
     if sla_metric not in SLA_METRICS:
         raise ConfigError(f"unknown SLA metric '{sla_metric}'; choose one of: {', '.join(SLA_METRICS)}")
     points = []
     for concurrency in concurrencies:
         for variant in variants:
-            result = run_sim(replace(base, variant=variant, concurrency=concurrency), requests)
+            result = replay(replace(base, variant=variant, concurrency=concurrency), requests)
             latency = getattr(result, SLA_METRICS[sla_metric])
             points.append(SweepPoint(variant, concurrency, result.throughput_tok_s, latency.p95_s, result.preemptions))
             if progress:
@@ -114,7 +115,8 @@ def sla_selection(points: Sequence[SweepPoint], metric: str = "e2e", factor: flo
 
 
 def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
-             variants: Sequence[str] = VARIANTS, progress: Progress | None = None) -> Frontier:
+             variants: Sequence[str] = VARIANTS, progress: Progress | None = None, *,
+             replay: Replay = run_sim) -> Frontier:
     """Block demand of C co-resident requests (the first C of `requests`, cycled if fewer)."""
     budget = base.num_blocks
     points = []
@@ -125,7 +127,7 @@ def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequen
         for variant in variants:
             config = replace(base, variant=variant, concurrency=None, admit_all_at_start=True,
                              num_blocks=max(budget, unbounded), max_num_seqs=max(base.max_num_seqs, concurrency))
-            peak = run_sim(config, batch).peak_allocated_blocks
+            peak = replay(config, batch).peak_allocated_blocks
             points.append(FrontierPoint(variant, concurrency, peak, peak / budget, peak <= budget))
             if progress:
                 progress(f"frontier C={concurrency}", 1)

@@ -1,8 +1,13 @@
 """`vtoken compare` as one library call: the three variants, the sweep, the SLA rule, the
 frontier and repeats over seeds, returned as one plain record.
 
-`compare` replays on the sim executor; `compare_hf` replays the three variants once on a real
-model (`vtoken.engine.hf`) and skips the sweep and the frontier, which need dozens of replays.
+    compare(trace, config, options, replayer, progress, num_blocks=None)
+        replayer.resolve        the executor's block budget and model geometry (replay.py)
+        replayer.run_variants   per seed: native, naive-evict, vtoken
+        sweep, frontier         analysis.py, through `replayer.run` (identical runs reused)
+
+What the replayer does not support (hf and vllm: the sweep, the frontier, repeats) is skipped
+and noted; a real engine's measured extras (speed, quality, agreement) come with the report.
 """
 
 from __future__ import annotations
@@ -11,15 +16,15 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, interval,
-                             run_variants, sla_selection, sweep)
+from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, interval, sla_selection,
+                             sweep)
 from vtoken.engine import VARIANTS, RunConfig
+from vtoken.engine.hf_compare import MeasuredExtras
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
+from vtoken.replay import Replayer
 from vtoken.trace import Trace
-
-HF_SKIPPED_NOTE = "--executor hf: no sweep, no frontier (dozens of replays; run them with --executor sim)"
 
 
 @dataclass(frozen=True)
@@ -56,12 +61,17 @@ class CompareReport:
     sla: SlaResult | None
     frontier: Frontier | None
     executor: str = "sim"
-    hf: object | None = None  # vtoken.engine.hf_compare.HFReport with --executor hf
+    measured: MeasuredExtras | None = None  # a real engine's (hf, vllm): speed, and with hf quality and agreement
 
 
-def compare(trace: Trace, config: RunConfig, options: CompareOptions, progress: Progress | None = None) -> CompareReport:
+def compare(trace: Trace, config: RunConfig, options: CompareOptions, replayer: Replayer,
+            progress: Progress | None = None, *, num_blocks: int | None = None) -> CompareReport:
+    """Replay `trace` on `replayer`'s executor. `num_blocks` None: the executor's default budget."""
     requests = trace.requests
-    repeats = [run_variants(replace(config, seed=config.seed + i), requests, VARIANTS, progress) for i in range(options.repeats)]
+    options = supported_options(options, replayer)
+    config = replayer.resolve(config, requests, num_blocks)
+    repeats = [replayer.run_variants(replace(config, seed=config.seed + i), requests, progress)
+               for i in range(options.repeats)]
     headline_ci = {
         variant: {key: interval([r[variant].headline()[key] for r in repeats]) for key in repeats[0][variant].headline()}
         for variant in VARIANTS
@@ -69,30 +79,29 @@ def compare(trace: Trace, config: RunConfig, options: CompareOptions, progress: 
     points: list[SweepPoint] = []
     sla = None
     if options.with_sweep:
-        points = sweep(config, requests, options.sweep_concurrencies, VARIANTS, options.sla_metric, progress)
+        points = sweep(config, requests, options.sweep_concurrencies, VARIANTS, options.sla_metric, progress,
+                       replay=replayer.run)
         sla = sla_selection(points, options.sla_metric, options.sla_factor, options.reference_concurrency)
-    frontier_result = frontier(config, requests, options.concurrencies, VARIANTS, progress) if options.with_frontier else None
-    return CompareReport(trace, config, options, repeats[0], headline_ci, tuple(points), sla, frontier_result)
+    frontier_result = None
+    if options.with_frontier:
+        frontier_result = frontier(config, requests, options.concurrencies, VARIANTS, progress, replay=replayer.run)
+    trace = replace(trace, notes=trace.notes + replayer.notes())
+    return CompareReport(trace, config, options, repeats[0], headline_ci, tuple(points), sla, frontier_result,
+                         replayer.executor, replayer.measured)
 
 
-def compare_hf(trace: Trace, config: RunConfig, model, options: CompareOptions, progress: Progress | None = None,
-               num_blocks: int | None = None) -> CompareReport:
-    """The three variants on `model` (a `vtoken.models.LoadedModel`), measured; no sweep, no
-    frontier, one seed. `num_blocks` None: sized for `config.concurrency` full-length requests."""
-    from vtoken.engine.hf_compare import compare_on_model
-
-    if options.repeats != 1:
-        raise ConfigError(f"--repeats applies to the sim executor; --executor hf runs once, got --repeats {options.repeats}")
-    runs, hf = compare_on_model(config, trace.requests, model, num_blocks, progress)
-    config = replace(config, model=model.spec, num_blocks=hf.num_blocks)
-    headline_ci = {variant: {key: interval([value]) for key, value in run.headline().items()} for variant, run in runs.items()}
-    options = replace(options, with_sweep=False, with_frontier=False)
-    trace = replace(trace, notes=trace.notes + hf.notes + (HF_SKIPPED_NOTE,))
-    return CompareReport(trace, config, options, runs, headline_ci, (), None, None, "hf", hf)
+def supported_options(options: CompareOptions, replayer: Replayer) -> CompareOptions:
+    """`options` without what `replayer` cannot run; ConfigError for repeats it cannot make."""
+    if options.repeats != 1 and not replayer.supports_repeats:
+        raise ConfigError(f"--repeats applies to the sim executor; --executor {replayer.executor} runs once, "
+                          f"got --repeats {options.repeats}")
+    return replace(options, with_sweep=options.with_sweep and replayer.supports_sweep,
+                   with_frontier=options.with_frontier and replayer.supports_frontier)
 
 
-def num_progress_units(trace: Trace, options: CompareOptions) -> int:
+def num_progress_units(trace: Trace, options: CompareOptions, replayer: Replayer) -> int:
     """Progress units `compare` reports: completed requests, sweep points, frontier points."""
+    options = supported_options(options, replayer)
     units = options.repeats * len(VARIANTS) * len(trace.requests)
     if options.with_sweep:
         units += len(options.sweep_concurrencies) * len(VARIANTS)
@@ -134,8 +143,8 @@ def report_to_json(report: CompareReport) -> dict:
         "sla": None,
         "frontier": None,
     }
-    if report.hf is not None:
-        out["hf"] = asdict(report.hf)
+    if report.measured is not None:
+        out[report.executor] = asdict(report.measured)
     if report.sla is not None:
         out["sla"] = {"metric": report.sla.metric, "factor": report.sla.factor,
                       "reference_concurrency": report.sla.reference_concurrency,

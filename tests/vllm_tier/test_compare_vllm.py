@@ -1,4 +1,5 @@
-"""`compare --executor vllm` as a library call: three variants replayed on vLLM, measured."""
+"""`compare` and `check_invariants` on vLLM as library calls: three variants replayed on vLLM,
+measured; the checks inside vLLM reported as every executor's are."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE
 
 pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 
-from vtoken.compare import CompareOptions, report_to_json  # noqa: E402
+from vtoken.checker import CheckOptions, TraceLimits, check_invariants  # noqa: E402
+from vtoken.checker.vllm import VLLM_NO_I4  # noqa: E402
+from vtoken.compare import CompareOptions, compare, report_to_json  # noqa: E402
 from vtoken.engine.config import EvictionConfig, RunConfig  # noqa: E402
-from vtoken.engine.vllm.run import compare_vllm  # noqa: E402
+from vtoken.replay import make_replayer  # noqa: E402
 from vtoken.hardware import resolve_gpu  # noqa: E402
 from vtoken.kv.reclaim import ReclaimConfig  # noqa: E402
 from vtoken.model_spec import resolve_model  # noqa: E402
@@ -39,7 +42,7 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
         variant="vtoken", model=resolve_model("smollm2-135m"), gpu=resolve_gpu("h100-80gb"), num_blocks=16,
         block_size=32, eviction=EvictionConfig("streaming_llm", Budget(num_tokens=48, num_recent_tokens=16), 8),
         reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1), concurrency=3)
-    report = compare_vllm(trace, config, CompareOptions((3,)), tiny_model_dir)
+    report = compare(trace, config, CompareOptions((3,)), make_replayer("vllm", model=tiny_model_dir))
     runs = report.runs
     assert set(runs) == {"native", "naive-evict", "vtoken"}
     assert all(r.num_completed == len(LENGTHS) for r in runs.values())
@@ -51,6 +54,8 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
     payload = report_to_json(report)
     assert payload["config"]["executor"] == "vllm" and payload["config"]["num_blocks"] == 16
     assert payload["variants"]["vtoken"]["tokens_moved"] > 0
+    assert report.measured.engine == "vllm" and set(payload["vllm"]["speed"]) == set(runs)
+    assert report.sweep == () and report.frontier is None and any("skipped" in n for n in report.trace.notes)
     # the CLI's renderer takes the report as it takes a sim report without sweep and frontier
     console = Console(file=io.StringIO(), width=160)
     console.print(compare_report(report, False))
@@ -58,14 +63,16 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
 
 
 def test_check_invariants_on_vllm(trace, tiny_model_dir):
-    from vtoken.engine.vllm.run import check_invariants_on_vllm
-
     config = RunConfig(
         variant="vtoken", model=resolve_model("smollm2-135m"), gpu=resolve_gpu("h100-80gb"), num_blocks=16,
         block_size=32, eviction=EvictionConfig("h2o", Budget(num_tokens=48, num_recent_tokens=16), 8),
         reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1), concurrency=3)
     short = replace(trace, requests=trace.requests[:4])
-    report = check_invariants_on_vllm(short, config, tiny_model_dir)
-    assert set(report.runs) == {"naive-evict/hole-fill", "naive-evict/ordered", "vtoken/hole-fill", "vtoken/ordered"}
-    assert report.num_evictions_checked > 0 and report.num_copies_verified > 0
-    assert all(r["invariant_violations"] == 0 for r in report.runs.values())
+    options = CheckOptions(policies=("h2o",), executor="vllm", limits=TraceLimits(None, None, None))
+    report = check_invariants([short], config, options, model=tiny_model_dir)
+    assert [(r.scenario, r.reclaim_mode) for r in report.runs] == [
+        ("trace.jsonl naive-evict", "hole-fill"), ("trace.jsonl naive-evict", "ordered"),
+        ("trace.jsonl vtoken", "hole-fill"), ("trace.jsonl vtoken", "ordered")]
+    assert report.passed and report.relocation_events > 0
+    assert all(report.tallies[name].checked > 0 for name in ("I1", "I2", "I3")) and report.tallies["I4"].checked == 0
+    assert VLLM_NO_I4 in report.notes and report.base.block_size == 32 and report.runs[0].num_blocks == 16

