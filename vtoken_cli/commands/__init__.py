@@ -1,4 +1,3 @@
 """One module per command, each exposing its command function; vtoken_cli/app.py registers them.
 A command parses options, builds a config, calls the library and prints what render/ returns.
-No command module imports the app; check_vllm.py is the `--executor vllm` half of check.py,
-which imports it only when that executor runs."""
+No command module imports the app."""

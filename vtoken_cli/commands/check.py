@@ -1,10 +1,9 @@
 """`vtoken check-invariants [TRACE]`: relocations on materialized KV, I1-I4 checked on every event.
 
-The command parses flags into a `RunConfig` and `CheckOptions` (with `--executor hf`, loads the
-model), calls `vtoken.checker.check_invariants` and prints render/check.py's report. `--executor
-vllm` runs commands/check_vllm.py instead (imported only then): one engine, the checks (and an
-injected fault) inside it. Exit code 0 when every invariant held, 1 on any violation, 2 on bad
-input.
+The command parses flags into a `RunConfig` and `CheckOptions`, calls
+`vtoken.checker.check_invariants` (which runs the executor `--executor` names, with `--model`)
+and prints render/check.py's report. Exit code 0 when every invariant held, 1 on any violation,
+2 on bad input.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 
 from vtoken import defaults
-from vtoken.checker_names import FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, PRESSURE, TraceLimits, default_limits
+from vtoken.checker.names import FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, PRESSURE, TraceLimits, default_limits
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES
 from vtoken.policies import DEFAULT_AUDIT_POLICIES
@@ -87,17 +86,7 @@ def check_command(
 ) -> None:
     """Replay traces through the vtoken runtime with materialized KV and check the substrate
     invariants I1-I4 on every relocation event; exit 1 on any violation."""
-    if executor not in EXECUTORS:
-        raise ConfigError(f"unknown executor '{executor}'; check-invariants runs on: {', '.join(EXECUTORS)}")
-    if executor == "vllm":
-        from vtoken_cli.commands.check_vllm import check_on_vllm
-
-        check_on_vllm(trace, model, policy, budget, eviction_interval, theta_f, concurrency, seed, num_blocks,
-                      block_size, max_requests, json_out, fault_kind=inject_fault)
-        return
-    from vtoken.checker import (
-        CheckOptions, bundled_sample_traces, check_invariants, load_check_model, num_progress_units, report_to_json,
-    )
+    from vtoken.checker import CheckOptions, check_invariants, num_progress_units, report_to_json
 
     limits = default_limits(executor)
     options = CheckOptions(
@@ -110,24 +99,19 @@ def check_command(
         check_output_dir(output, force)
     if reclaim_interval <= 0:
         raise ConfigError(f"--reclaim-interval must be > 0 iterations, got {reclaim_interval}")
-    config = build_run_config(  # hf: the loaded model's KV geometry replaces defaults.MODEL's (check_on_model)
-        model=(model or defaults.MODEL) if executor == "sim" else defaults.MODEL, gpu=gpu, num_blocks=num_blocks,
+    config = build_run_config(  # the executor's --model replaces defaults.MODEL's geometry where it runs one
+        model=defaults.MODEL, gpu=gpu, num_blocks=num_blocks,
         gpu_mem_util=defaults.GPU_MEMORY_UTILIZATION, block_size=block_size or defaults.BLOCK_SIZE,
         policy=options.policies[0], budget=budget, eviction_interval=eviction_interval,
         reclaim_mode=options.reclaim_modes[0], theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=None,
     )
     config = replace(config, reclaim=replace(config.reclaim, check_interval_steps=reclaim_interval))
-    paths = [trace] if trace is not None else ([] if fuzz else bundled_sample_traces())
-    traces = [load_trace(path, trace_format) for path in paths]
+    traces = [load_trace(trace, trace_format)] if trace is not None else None  # None: the executor's default
     with progress_bar(stderr, 40) as bar:
-        task = bar.add_task("checking", total=num_progress_units(traces, config, options))
-        loaded_model = None
-        if executor == "hf":
-            bar.update(task, description=f"loading {model or 'a tiny random Llama'}")
-            loaded_model = load_check_model(model, options.device,
-                                            on_status=lambda message: stderr.print(message, highlight=False))
+        task = bar.add_task("checking", total=num_progress_units(traces, config, options, model=model))
         report = check_invariants(traces, config, options,
-                                  lambda stage, n: bar.update(task, advance=n, description=stage), model=loaded_model)
+                                  lambda stage, n: bar.update(task, advance=n, description=stage), model=model,
+                                  on_status=lambda message: stderr.print(message, highlight=False))
     payload = report_to_json(report)
     if output is not None:
         write_output_dir(output, _writers(payload), force)

@@ -15,14 +15,13 @@ from typing import Annotated, Optional
 import typer
 
 from vtoken import defaults
-from vtoken.compare import CompareOptions, CompareReport, compare, compare_hf, num_progress_units, report_to_json
-from vtoken.errors import ConfigError
+from vtoken.compare import CompareOptions, compare, num_progress_units, report_to_json
+from vtoken.replay import make_replayer
 from vtoken.trace import load_trace
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    EXECUTORS, BlockSize, Budget, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut, MaxRequests,
+    BlockSize, Budget, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut, MaxRequests,
     Model, NumBlocks, Output, Policy, ReclaimMode, Seed, ThetaF, TimeUnit, TraceFormat, build_run_config, parse_int_list,
-    require_vllm,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -63,10 +62,8 @@ def compare_command(
 ) -> None:
     """Replay TRACE with the three variants (native, naive-evict, vtoken) and compare memory
     waste, throughput, latency percentiles, SLA-feasible concurrency and the capacity frontier."""
-    if executor not in EXECUTORS:
-        raise ConfigError(f"unknown executor '{executor}'; available here: {', '.join(EXECUTORS)}")
-    if executor == "vllm":
-        require_vllm()
+    replayer = make_replayer(executor, model=model, gpu_mem_util=gpu_mem_util,
+                             on_status=lambda message: stderr.print(message, highlight=False))
     if output is not None:
         check_output_dir(output, force)
     config = build_run_config(
@@ -77,37 +74,21 @@ def compare_command(
     if open_loop:
         config = replace(config, concurrency=None)
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
-                             sla_ref_concurrency, repeats, sweep and executor == "sim", frontier and executor == "sim")
+                             sla_ref_concurrency, repeats, sweep, frontier)
     loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests)
     with progress_bar(stderr, 22) as bar:
-        task = bar.add_task("replaying", total=num_progress_units(loaded, options))
-        on_progress = lambda stage, n: bar.update(task, advance=n, description=stage)  # noqa: E731
-        if executor == "hf":
-            from vtoken.models import load_model
-
-            bar.update(task, description=f"loading {model}")
-            loaded_model = load_model(model, on_status=lambda message: stderr.print(message, highlight=False))
-            report = compare_hf(loaded, config, loaded_model, options, on_progress, num_blocks)
-        elif executor == "vllm":
-            report = _compare_on_vllm(loaded, config, options, model, on_progress, num_blocks)
-        else:
-            report = compare(loaded, config, options, on_progress)
+        task = bar.add_task("replaying", total=num_progress_units(loaded, options, replayer))
+        report = compare(loaded, config, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
+                         num_blocks=num_blocks)
     payload = report_to_json(report)
     if output is not None:
         write_output_dir(output, _writers(report, payload), force)
     if json_out:
         stdout.print_json(json.dumps(payload))
     else:
-        stdout.print(hf_report(report, explain) if report.hf is not None else compare_report(report, explain))
+        stdout.print(hf_report(report, explain) if report.measured is not None else compare_report(report, explain))
         if output is not None:
             stdout.print(f"wrote {output}/ (report.json, variants.csv, sweep.csv, frontier.csv, *.png)")
-
-
-def _compare_on_vllm(loaded, config, options, model, on_progress, num_blocks) -> CompareReport:
-    """In-process vLLM engines, one per variant; needs vLLM installed (see the README)."""
-    from vtoken.engine.vllm.run import compare_vllm
-
-    return compare_vllm(loaded, config, options, model, on_progress, num_blocks)
 
 
 def _writers(report, payload: dict) -> list:

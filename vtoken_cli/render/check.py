@@ -1,5 +1,4 @@
-"""rich renderables of `vtoken check-invariants`: the report of the sim and hf executors
-(`check_report`) and that of `--executor vllm` (`vllm_check_report`)."""
+"""rich renderables of `vtoken check-invariants`: the report of every executor (`check_report`)."""
 
 from __future__ import annotations
 
@@ -9,11 +8,10 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from vtoken.checker_names import CHECK_UNITS, FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
+from vtoken.checker.names import FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
 
-if TYPE_CHECKING:  # vtoken.checker imports torch, vtoken.engine.vllm.run vLLM's engine helpers: not at start-up
+if TYPE_CHECKING:
     from vtoken.checker import CheckReport, Tally
-    from vtoken.engine.vllm.run import VllmCheckReport
 
 def check_report(report: CheckReport) -> Group:
     parts: list[RenderableType] = [_header(report), _invariant_table(report), _policy_mode_table(report)]
@@ -42,8 +40,8 @@ def _header(report: CheckReport) -> Text:
 
 
 def _model_part(report: CheckReport) -> str:
-    """hf: which model wrote the K/V and its geometry; sim: nothing (its K/V is synthetic)."""
-    if report.options.executor != "hf":
+    """hf, vllm: which model wrote the K/V and its geometry; sim: nothing (its K/V is synthetic)."""
+    if not report.model_kv:
         return ""
     kv = report.kv_layout
     return (f" (model {report.base.model.name}: K/V of {kv.num_layers} layers x {kv.num_kv_heads} KV heads x "
@@ -51,7 +49,7 @@ def _model_part(report: CheckReport) -> str:
 
 
 def _invariant_table(report: CheckReport) -> Table:
-    caption = "; ".join(f"{name}: {unit}" for name, unit in CHECK_UNITS.items())
+    caption = "; ".join(f"{name}: {unit}" for name, unit in report.check_units.items())
     table = Table(title="Invariants", title_justify="left", caption=f"one check = {caption}", caption_justify="left")
     for column in ("", "invariant", "checked", "violations", "first violation"):
         table.add_column(column, justify="right" if column in ("checked", "violations") else "left")
@@ -120,55 +118,3 @@ def _verdict(report: CheckReport) -> Text:
 
 def _show(value) -> str:
     return "-" if value is None else str(value)
-
-
-# ---- --executor vllm ---------------------------------------------------------------------------
-
-VLLM_INVARIANTS = ("I1", "I2", "I3")
-VLLM_CHECK_UNITS = {
-    "I1": "live ids after an eviction, or a step's KV copies read back byte for byte",
-    "I2": "a scan of all tables and the pool after an eviction",
-    "I3": "dense live layout after an eviction, what one request reads and writes in one forward, "
-          "or a step's copies landed before its forward",
-}
-VLLM_NO_I4 = ("I4 has nothing to check on vLLM: a compaction is applied when it is planned, and with prefix "
-              "caching off no block is shared")
-
-
-def vllm_check_report(report: VllmCheckReport, trace_name: str, policy: str, notes: list[str]) -> Group:
-    """Header, the invariant table, the violation and the fault line, the verdict."""
-    violation = report.violation
-    header = Text(f"checked on vLLM: {trace_name}; policy {policy}; naive-evict and vtoken x hole-fill and ordered, "
-                  "every check inside vLLM's scheduler and worker" + "".join(f"\nnote: {n}" for n in notes))
-    caption = "; ".join(f"{name}: {unit}" for name, unit in VLLM_CHECK_UNITS.items())
-    table = Table(title="Invariants", title_justify="left", caption=f"one check = {caption}. {VLLM_NO_I4}",
-                  caption_justify="left")
-    for column in ("", "invariant", "checked", "violations", "first violation"):
-        table.add_column(column, justify="right" if column in ("checked", "violations") else "left")
-    for name in VLLM_INVARIANTS:
-        failed = violation is not None and violation.invariant == name
-        first = "-" if not failed else (
-            (f"vLLM block {violation.block_id}, offset {violation.offset} " if violation.block_id is not None else "")
-            + f"({violation.run})")
-        table.add_row(Text("✗", style="bold red") if failed else Text("✓", style="bold green"),
-                      f"{name} {INVARIANT_NAMES[name]}", f"{report.num_checks.get(name, 0):,}",
-                      Text(str(int(failed)), style="red" if failed else ""), first)
-    parts: list[RenderableType] = [header, table]
-    if violation is not None:
-        parts.append(Text(violation.message, style="red"))
-    if report.fault is not None:
-        parts.append(fault_line(report.fault, report.num_faults_injected, [violation.invariant] if violation else []))
-    parts.append(_vllm_verdict(report))
-    return Group(*parts)
-
-
-def _vllm_verdict(report: VllmCheckReport) -> Text:
-    from vtoken.engine.vllm.run import CHECK_RUNS  # with the report: not at start-up
-
-    counts = (f"{report.num_evictions_checked:,} evictions and {report.num_copies_verified:,} relocations checked "
-              f"in {len(report.runs)} of {len(CHECK_RUNS)} runs, {report.elapsed_s:.1f} s")
-    violation = report.violation
-    if violation is None:
-        return Text.assemble(("PASSED ", "bold green"), f"I1-I3 held on every check: {counts}")
-    return Text.assemble(("FAILED ", "bold red"), f"{violation.invariant} violated in {violation.run}; the check "
-                         f"stopped there (a violation is raised inside vLLM's step): {counts}")

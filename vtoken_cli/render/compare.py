@@ -142,10 +142,10 @@ def compare_report(report: CompareReport, explain: bool) -> Group:
 
 def hf_report(report: CompareReport, explain: bool) -> Group:
     """The measured run: the memory figures next to speed and quality, then the usual tables."""
-    hf = report.hf
+    hf = report.measured
     cfg = report.config
     lines = [f"trace {report.trace.source} ({report.trace.format}, {len(report.trace.requests)} requests)",
-             f"model {hf.model} (transformers, {cfg.model.kv_bytes_per_token} KV bytes/token); "
+             f"model {hf.model} ({hf.engine}, {cfg.model.kv_bytes_per_token} KV bytes/token); "
              f"{cfg.num_blocks} blocks of {cfg.block_size} tokens",
              f"policy {cfg.eviction.policy}, {cfg.eviction.budget.describe()}, every {cfg.eviction.interval_tokens} tokens; "
              f"reclaim {cfg.reclaim.mode} (theta_F {cfg.reclaim.theta_f}{budget_phrase(cfg)}); {arrivals_phrase(cfg)}; seed {cfg.seed}"]
@@ -164,7 +164,7 @@ def hf_report(report: CompareReport, explain: bool) -> Group:
                       f"{speed.tok_s:.1f}", f"{1000 * speed.per_token_latency_s:.1f}", f"{speed.ratio_to_native:.2f}",
                       f"{speed.engine_wall_s:.1f}", f"{quality.rouge_l_f1:.3f}" if quality else "-",
                       f"{quality.length_ratio:.2f}" if quality else "-")
-    parts = [Panel("\n".join(lines), title="vtoken compare (hf executor)", title_align="left"), table,
+    parts = [Panel("\n".join(lines), title=f"vtoken compare ({report.executor} executor)", title_align="left"), table,
              summary_tables(report), histograms_side_by_side(report)]
     if explain:
         parts.append(definitions_table(DEFINITIONS, "Definitions"))
