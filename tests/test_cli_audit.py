@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import vtoken.audit as audit_module
 import vtoken_cli.plots as plots
-from vtoken.audit import Overrides, audit, report_to_json
+from vtoken.audit import Overrides, audit, audit_deployment, deployment_to_json, report_to_json
 from vtoken.nvml import NvmlReport
 from vtoken_cli.app import app
 
@@ -128,6 +128,61 @@ def test_live_server_panel_and_measured_waste() -> None:
         assert fragment in result.stdout, fragment
 
 
+def test_a_server_workload_is_shown_with_its_bucket_ranges() -> None:
+    # The fixture's server finished one request of 4 prompt and 16 generated tokens.
+    with serve(vllm_routes()) as server:
+        result = invoke(server.url, "--model", "llama-3.1-8b", *TINY_FLAGS)
+
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for fragment in ("source      server:", "observed    1 finished requests (length 1)",
+                     "prompt tokens mean 4.0 (3-5), p50 4.0 (3-5), p90 4.8 (3-5)",
+                     "output tokens mean 16.0 (11-20), p50 15.5 (11-20), p90 19.1 (11-20)",
+                     "rate        not sampled (--window SECONDS", "(lo-hi): over replays", "(0.765-",
+                     "histogram buckets"):
+        assert fragment in out, fragment
+    assert "bundled sample" not in out
+
+
+def test_window_samples_the_request_rate() -> None:
+    with serve(vllm_routes()) as server:
+        result = invoke(server.url, "--model", "llama-3.1-8b", *TINY_FLAGS, "--window", "0.2", "--json")
+        plain = invoke(server.url, "--model", "llama-3.1-8b", *TINY_FLAGS, "--window", "0.2")
+
+    assert result.exit_code == 0, result.output
+    workload = json.loads(result.stdout)["workload"]
+    assert workload["request_rate_per_s"] == 0.0  # the fixture's counters do not move
+    assert workload["window_s"] == pytest.approx(0.2, abs=0.2)
+    assert "rate        0.00 requests/s over 0.2 s" in plain.stdout
+
+
+def test_several_urls_and_one_that_does_not_answer() -> None:
+    dead = refused_url()
+    with serve(vllm_routes()) as first, serve(vllm_routes()) as second:
+        urls = [first.url, dead, second.url]
+        result = invoke(*urls, "--model", "llama-3.1-8b", *TINY_FLAGS, "--json")
+        rendered = invoke(*urls, "--model", "llama-3.1-8b", *TINY_FLAGS)
+        expected = json.loads(json.dumps(deployment_to_json(audit_deployment(urls, Overrides(
+            model="llama-3.1-8b", max_requests=6, policies=("h2o",), frontier_max_concurrency=8)))))
+
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    assert printed == expected
+    assert [r["deployment"]["source"] for r in printed["replicas"]] == [first.url, second.url]
+    assert printed["failures"][0]["target"] == dead and "connection refused" in printed["failures"][0]["reason"]
+    one = printed["replicas"][0]["policies"]["h2o"]["max_concurrency"]["vtoken"]
+    assert printed["total"]["policies"]["h2o"]["max_concurrency"]["vtoken"] == 2 * one
+    for fragment in (f"Replica {first.url}", f"Replica {second.url}", "2 replicas audited, 1 did not answer",
+                     f"failed      {dead}", "Deployment total"):
+        assert fragment in rendered.stdout, fragment
+
+
+def test_no_url_answering_is_one_line_and_exit_2() -> None:
+    first, second = refused_url(), refused_url()
+
+    assert_one_line_error(invoke(first, second, "--model", "llama-3.1-8b"), "no replica answered", first, second)
+
+
 # ---- --output -----------------------------------------------------------------------------------
 
 
@@ -205,6 +260,7 @@ def test_bad_toml_is_one_line_and_exit_2(tmp_path: Path, text: str, fragments: t
     ([str(SMALL), "--policy", "h3o"], "--policy: unknown policy 'h3o'"),
     ([str(SMALL), "--model", "llama-3.1-8b", "--model-config", "x.json"], "--model or --model-config, not both"),
     ([str(SMALL), "--trace", "missing.jsonl"], "missing.jsonl: trace file not found"),
+    ([str(SMALL), "--window", "0"], "--window must be > 0 seconds, got 0.0"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(args: list[str], fragment: str) -> None:
     assert_one_line_error(invoke(*args), fragment)

@@ -1,9 +1,11 @@
-"""`vtoken audit DEPLOYMENT`: the KV memory token-level eviction would trap on a deployment (a
-TOML file or a running vLLM server), per policy, and what vToken would recover.
+"""`vtoken audit DEPLOYMENT [DEPLOYMENT ...]`: the KV memory token-level eviction would trap on a
+deployment (a TOML file or a running vLLM server; several for several replicas), per policy, and
+what vToken would recover.
 
-The command parses flags into `Overrides`, calls `vtoken.audit.audit` and prints
-render/audit.py's report. A flag left out takes the TOML's or the server's value, else the
-default of vtoken/defaults.py (the library resolves them).
+The command parses flags into `Overrides`, calls `vtoken.audit.audit_deployment` and prints
+render/audit.py's report: one replica (the usual case) as before, several each and in total. A
+flag left out takes the TOML's or the server's value, else the default of vtoken/defaults.py
+(the library resolves them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from typing import Annotated, Optional
 import typer
 
 from vtoken import defaults
-from vtoken.audit import DEFAULT_TIMEOUT_S, AuditReport, Overrides, audit, report_rows, report_to_json
+from vtoken.audit import (
+    DEFAULT_TIMEOUT_S, AuditReport, DeploymentAudit, Overrides, audit_deployment, deployment_to_json, report_rows,
+    report_to_json,
+)
 from vtoken.errors import ConfigError
 from vtoken.policies import DEFAULT_AUDIT_POLICIES
 from vtoken_cli.console import stderr, stdout
@@ -23,12 +28,13 @@ from vtoken_cli.options import (
     GPU_NAMES, MODEL_NAMES, POLICY_NAMES, TRACE_FORMAT_NAMES, Force, JsonOut, MaxRequests, Output, TimeUnit,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
-from vtoken_cli.render.audit import audit_report
+from vtoken_cli.render.audit import audit_report, deployment_report
 
 
 def audit_command(
-    deployment: Annotated[str, typer.Argument(
-        help="A deployment TOML file, or the http(s):// URL of a running vLLM server.", metavar="DEPLOYMENT",
+    deployments: Annotated[list[str], typer.Argument(
+        help="A deployment TOML file, or the http(s):// URL of a running vLLM server; several URLs for several "
+             "replicas (a server's data-parallel engines are replicas too).", metavar="DEPLOYMENT...",
         show_default=False)],
     model: Annotated[Optional[str], typer.Option(
         help=f"Catalog model ({MODEL_NAMES}, or an HF id); supplies or replaces the deployment's.")] = None,
@@ -51,14 +57,18 @@ def audit_command(
         help=f"Largest concurrency the capacity search tries. Default {defaults.FRONTIER_MAX_CONCURRENCY}.")] = None,
     timeout: Annotated[Optional[float], typer.Option(
         help=f"Seconds the server scrape may take. Default {DEFAULT_TIMEOUT_S:g}.")] = None,
+    window: Annotated[Optional[float], typer.Option(
+        help="Scrape the server twice this many seconds apart: its request rate and concurrency over that window.",
+        metavar="SECONDS")] = None,
     seed: Annotated[Optional[int], typer.Option(
         help=f"Seed of the synthetic attention and the random policy. Default {defaults.SEED}.")] = None,
     json_out: JsonOut = False,
     output: Output = None,
     force: Force = False,
 ) -> None:
-    """Audit DEPLOYMENT: replay its workload on its KV block budget with naive eviction and with
-    vToken, per policy, and report the waste, the trapped memory and what vToken recovers."""
+    """Audit DEPLOYMENT: replay its workload (for a server, what it has served) on its KV block
+    budget with naive eviction and with vToken, per policy, and report the waste, the trapped
+    memory and what vToken recovers."""
     if model is not None and model_config is not None:
         raise ConfigError("give --model or --model-config, not both")
     if output is not None:
@@ -67,35 +77,44 @@ def audit_command(
         model=str(model_config) if model_config is not None else model, gpu=gpu, block_size=block_size,
         num_gpu_blocks=num_blocks, policies=tuple(policy) if policy else None, budget=budget, trace=trace,
         trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
-        frontier_max_concurrency=frontier_max, timeout_s=timeout, seed=seed,
+        frontier_max_concurrency=frontier_max, timeout_s=timeout, window_s=window, seed=seed,
     )
     with progress_bar(stderr, 26) as bar:
         task = bar.add_task("reading the deployment", total=None)
-        report = audit(deployment, overrides,
-                       lambda stage, done, total: bar.update(task, completed=done, total=total, description=stage))
-    payload = report_to_json(report)
+        result = audit_deployment(deployments, overrides, lambda stage, done, total: bar.update(
+            task, completed=done, total=total, description=stage))
+    is_one = len(result.replicas) == 1 and not result.failures
+    payload = report_to_json(result.replicas[0]) if is_one else deployment_to_json(result)
     if output is not None:
-        write_output_dir(output, _writers(report, payload), force)
+        write_output_dir(output, _writers(result, payload), force)
         stderr.print(f"wrote {output}/ (report.json, policies.csv, histogram_<policy>.png)", highlight=False)
     if json_out:
         typer.echo(json.dumps(payload, indent=2))
     else:
-        stdout.print(audit_report(report), soft_wrap=False)
+        stdout.print(audit_report(result.replicas[0]) if is_one else deployment_report(result), soft_wrap=False)
 
 
 # ---- --output -----------------------------------------------------------------------------------
 
 
-def _writers(report: AuditReport, payload: dict) -> list:
+def _writers(result: DeploymentAudit, payload: dict) -> list:
+    """report.json; policies.csv (a `replica` column when there are several); one histogram per
+    policy (and replica: histogram_<replica #>_<policy>.png)."""
+    reports: list[AuditReport] = list(result.replicas)
+    is_one = len(reports) == 1
+
     def write_csv(d: Path) -> None:
         import pandas as pd
 
-        pd.DataFrame(report_rows(report)).to_csv(d / "policies.csv", index=False)
+        rows = [row if is_one else {"replica": r.deployment.source, **row} for r in reports for row in report_rows(r)]
+        pd.DataFrame(rows).to_csv(d / "policies.csv", index=False)
 
     def write_plots(d: Path) -> None:
         from vtoken_cli import plots  # matplotlib: imported when a plot is drawn, not at start-up
 
-        for p in report.policies:
-            plots.plot_policy_histogram(p, d / f"histogram_{p.policy}.png")
+        for idx, report in enumerate(reports):
+            for p in report.policies:
+                name = f"histogram_{p.policy}.png" if is_one else f"histogram_{idx}_{p.policy}.png"
+                plots.plot_policy_histogram(p, d / name)
 
     return [json_writer(payload), write_csv, write_plots]

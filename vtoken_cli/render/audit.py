@@ -1,5 +1,7 @@
-"""rich renderables of `vtoken audit`: the deployment, the live server, the workload, waste per
-policy and per variant, the histograms, the definitions and the verdict."""
+"""rich renderables of `vtoken audit`: the deployment, the live server, the workload (for a
+server's: its length distributions with their bucket ranges, its rate), waste per policy and per
+variant (with ranges over the bucket-edge replays), the histograms, the definitions and the
+verdict; `deployment_report` for several replicas, each and in total."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from vtoken.audit import AUDIT_VARIANTS, DEFINITIONS, AuditReport, PolicyAudit, policy_title
+from vtoken.audit import AUDIT_VARIANTS, DEFINITIONS, AuditReport, DeploymentAudit, PolicyAudit, policy_title
+from vtoken.audit.workload import LengthDistribution
 from vtoken.hardware import GiB
 from vtoken_cli.render.common import definitions_table, histogram
 
@@ -23,6 +26,37 @@ def audit_report(report: AuditReport) -> Group:
     parts += [definitions_table(definitions, "Definitions (time-weighted means over each run)"),
               Panel(report.verdict, title="Verdict", title_align="left", border_style="bold")]
     return Group(*parts)
+
+
+def deployment_report(result: DeploymentAudit) -> Group:
+    """Each replica's report, then the replicas that did not answer and the deployment's sums."""
+    parts: list[RenderableType] = []
+    for report in result.replicas:
+        parts += [Text(f"Replica {report.deployment.source}", style="bold reverse"), audit_report(report)]
+    lines = [f"{len(result.replicas)} replicas audited" + (f", {len(result.failures)} did not answer" if result.failures else "")]
+    lines += [f"failed      {f.target}: {f.reason}" for f in result.failures]
+    totals = result.totals()
+    if totals["num_requests_observed"] is not None:
+        lines.append(f"observed    {totals['num_requests_observed']:,} finished requests"
+                     + (f", {totals['request_rate_per_s']:.2f} requests/s" if totals["request_rate_per_s"] is not None else ""))
+    table = Table(title="Deployment total (sums over replicas; each has its own pool)", title_justify="left")
+    table.add_column("policy", min_width=12, no_wrap=True)
+    for column in ("trapped GiB", "reclaim GiB", "room for", *(f"max C {v}" for v in AUDIT_VARIANTS)):
+        table.add_column(column, justify="right")
+    for policy, total in totals["policies"].items():
+        ranges = total.get("ranges", {})
+        table.add_row(
+            policy_title(policy), _ranged(total["trapped_bytes"] / GiB, _scaled(ranges.get("trapped_bytes")), "{:.2f}"),
+            _ranged(total["reclaimable_bytes"] / GiB, _scaled(ranges.get("reclaimable_bytes")), "{:.2f}"),
+            _ranged(total["room_for_more_requests"], ranges.get("room_for_more_requests"), "{}"),
+            *(_ranged(total["max_concurrency"][v], ranges.get("max_concurrency", {}).get(v), "{}") for v in AUDIT_VARIANTS),
+        )
+    parts += [Panel("\n".join(lines), title="Deployment", title_align="left"), table]
+    return Group(*parts)
+
+
+def _scaled(bounds: object) -> tuple[float, float] | None:
+    return None if bounds is None else (bounds[0] / GiB, bounds[1] / GiB)
 
 
 def _deployment_panel(report: AuditReport) -> Panel:
@@ -68,12 +102,40 @@ def _live_panel(report: AuditReport) -> Panel:
 def _workload_panel(report: AuditReport) -> Panel:
     w = report.deployment.workload
     trace = report.trace
-    lines = [f"{trace.source} ({trace.format}), {len(trace.requests)} requests, closed loop with {w.concurrency} clients"]
+    lines = [f"source      {w.source}: {trace.source} ({trace.format}), {len(trace.requests)} requests replayed, "
+             f"closed loop with {w.concurrency} clients"]
     if w.is_bundled_sample:
-        lines.append("no workload given: using the bundled sample, Azure LLM inference trace 2023 (conversation), "
+        why = "the server has finished no request yet" if report.live is not None else "no workload given"
+        lines.append(f"{why}: using the bundled sample, Azure LLM inference trace 2023 (conversation), "
                      "Azure Public Dataset, CC-BY 4.0")
-    lines += [f"note: {n}" for n in trace.notes]
+    replica = w.replica
+    if replica is not None:
+        reasons = ", ".join(f"{r} {n:g}" for r, n in replica.num_requests_by_reason.items() if n)
+        lines.append(f"observed    {replica.num_requests_observed:,} finished requests" + (f" ({reasons})" if reasons else ""))
+        lines += [_lengths_line("prompt", replica.prompt_tokens), _lengths_line("output", replica.output_tokens)]
+        if replica.request_rate_per_s is not None:
+            lines.append(f"rate        {replica.request_rate_per_s:.2f} requests/s over {w.server.window_s:.1f} s")
+        else:
+            lines.append("rate        not sampled (--window SECONDS scrapes twice)")
+        if replica.prefix_cache_hit_ratio is not None:
+            lines.append(f"prefix hit  {100 * replica.prefix_cache_hit_ratio:.1f}% of queried prompt tokens")
+    lines += [f"note: {n}" for n in dict.fromkeys([*w.notes, *trace.notes])]
     return Panel("\n".join(lines), title="Workload", title_align="left")
+
+
+def _lengths_line(name: str, dist: LengthDistribution) -> str:
+    """`prompt  mean 4.0 (3-5), p50 4.0 (3-5), p90 4.8 (3-5)`: ranges from every request at its bucket's edges."""
+    parts = [f"{stat} {getattr(dist.mid, stat):,.1f} ({getattr(dist.low, stat):,.0f}-{getattr(dist.high, stat):,.0f})"
+             for stat in ("mean", "p50", "p90")]
+    return f"{name + ' tokens':<11} " + ", ".join(parts) + "  (bucket edges in brackets)"
+
+
+def _ranged(value: float, bounds: tuple[float, float] | None, fmt: str) -> str:
+    """`value`, with `(lo-hi)` below it when the figure has a range that is not one point."""
+    text = fmt.format(value)
+    if bounds is None or fmt.format(bounds[0]) == fmt.format(bounds[1]):
+        return text
+    return f"{text}\n({fmt.format(bounds[0])}-{fmt.format(bounds[1])})"
 
 
 def _policy_table(report: AuditReport) -> Table:
@@ -82,16 +144,20 @@ def _policy_table(report: AuditReport) -> Table:
     table.add_column("policy", min_width=12, no_wrap=True)
     for column in ("F", "u <= 50%", "trapped GiB", "reclaim GiB", "reclaim blocks", "room for"):
         table.add_column(column, justify="right")
-    for p in report.policies:
-        run = p.evicted
+    for idx, p in enumerate(report.policies):
+        run, ranges = p.evicted, report.ranges(idx) or {}
         table.add_row(
-            policy_title(p.policy), f"{run.waste_ratio:.3f}", f"{100 * run.frac_blocks_le_half:.1f}%",
-            f"{run.trapped_bytes / GiB:.2f}", f"{p.reclaimable_bytes / GiB:.2f}", f"{p.reclaimable_blocks:,.0f}",
-            str(p.room_for_more_requests),
+            policy_title(p.policy), _ranged(run.waste_ratio, ranges.get("waste_ratio"), "{:.3f}"),
+            f"{100 * run.frac_blocks_le_half:.1f}%",
+            _ranged(run.trapped_bytes / GiB, _scaled(ranges.get("trapped_bytes")), "{:.2f}"),
+            _ranged(p.reclaimable_bytes / GiB, _scaled(ranges.get("reclaimable_bytes")), "{:.2f}"),
+            f"{p.reclaimable_blocks:,.0f}", _ranged(p.room_for_more_requests, ranges.get("room_for_more_requests"), "{}"),
         )
+    if report.edges:
+        table.caption = "(lo-hi): over replays with every length at its histogram bucket's lower and upper edge"
     skipped = {p.policy: len(p.evicted.skipped) for p in report.policies if p.evicted.skipped}
     if skipped:
-        table.caption = "requests larger than the whole budget were skipped: " + ", ".join(f"{k} {n}" for k, n in skipped.items())
+        table.caption = (table.caption + "; " if table.caption else "") + "requests larger than the whole budget were skipped: " + ", ".join(f"{k} {n}" for k, n in skipped.items())
     return table
 
 
@@ -102,13 +168,15 @@ def _variant_table(report: AuditReport) -> Table:
     table.add_column("variant", min_width=11, no_wrap=True)
     for column in ("F", "blocks per req", "trapped GiB", "max C", "preempt"):
         table.add_column(column, justify="right")
-    for p in report.policies:
+    for idx, p in enumerate(report.policies):
+        max_c_ranges = (report.ranges(idx) or {}).get("max_concurrency", {})
         for variant in AUDIT_VARIANTS:
             run, capacity = p.runs[variant], p.capacity[variant]
             table.add_row(
                 policy_title(p.policy) if variant == AUDIT_VARIANTS[0] else "", variant, f"{run.waste_ratio:.3f}",
                 f"{run.retained_blocks_per_request:.1f}", f"{run.trapped_bytes / GiB:.2f}",
-                f"{capacity.max_concurrency}{'+' if capacity.is_lower_bound else ''}", str(run.preemptions),
+                _ranged(capacity.max_concurrency, max_c_ranges.get(variant), "{}" + ("+" if capacity.is_lower_bound else "")),
+                str(run.preemptions),
                 end_section=variant == AUDIT_VARIANTS[-1],
             )
     return table
