@@ -192,8 +192,10 @@ def test_output_dir_has_json_csv_and_pngs(tmp_path: Path) -> None:
 
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == [
-        "histogram_h2o.png", "histogram_streaming_llm.png", "policies.csv", "report.json"]
-    assert json.loads((out / "report.json").read_text()) == json.loads(result.stdout)
+        ".vtoken-output.json", "histogram_h2o.png", "histogram_streaming_llm.png", "policies.csv", "report.json"]
+    written = json.loads((out / "report.json").read_text())
+    assert set(written.pop("provenance")) == {"vtoken_version", "command_line", "written_at"}
+    assert written == json.loads(result.stdout)
     table = pd.read_csv(out / "policies.csv")
     assert list(table["policy"]) == ["h2o", "streaming_llm"]
     assert table["reclaimable_bytes"][0] == pytest.approx(json.loads(result.stdout)["policies"]["h2o"]["reclaimable_bytes"])
@@ -201,18 +203,29 @@ def test_output_dir_has_json_csv_and_pngs(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["audit"]
 
 
-def test_output_refuses_a_non_empty_dir_unless_forced(tmp_path: Path) -> None:
+def test_output_refuses_a_non_empty_dir_it_did_not_write_even_forced(tmp_path: Path) -> None:
     out = tmp_path / "audit"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
 
+    for force in ((), ("--force",)):
+        refused = invoke(str(SMALL), *TINY_FLAGS, "--output", str(out), *force)
+        assert_one_line_error(refused, "not empty", "vtoken did not write it")
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_output_replaces_its_own_dir_only_when_forced(tmp_path: Path) -> None:
+    out = tmp_path / "audit"
+    assert invoke(str(SMALL), *TINY_FLAGS, "--output", str(out)).exit_code == 0
+
     refused = invoke(str(SMALL), *TINY_FLAGS, "--output", str(out))
     assert_one_line_error(refused, "not empty", "--force")
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
     forced = invoke(str(SMALL), *TINY_FLAGS, "--output", str(out), "--force")
     assert forced.exit_code == 0, forced.output
-    assert sorted(p.name for p in out.iterdir()) == ["histogram_h2o.png", "policies.csv", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".vtoken-output.json", "histogram_h2o.png", "policies.csv",
+                                                     "report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit"]
 
 
 def test_output_into_an_empty_existing_dir(tmp_path: Path) -> None:

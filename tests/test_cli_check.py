@@ -105,8 +105,9 @@ def test_output_dir_gets_the_json_and_a_csv(tmp_path):
     out = tmp_path / "check"
     result = invoke(str(SHARED), *ONE_RUN, "--output", str(out))
     assert result.exit_code == 0, result.output
-    assert {p.name for p in out.iterdir()} == {"report.json", "runs.csv"}
+    assert {p.name for p in out.iterdir()} == {".vtoken-output.json", "report.json", "runs.csv"}
     assert json.loads((out / "report.json").read_text())["passed"] is True
+    assert json.loads((out / ".vtoken-output.json").read_text())["files"] == ["report.json", "runs.csv"]
 
 
 @pytest.mark.parametrize(
