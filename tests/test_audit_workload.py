@@ -135,6 +135,10 @@ def test_derived_means_equal_the_served_means_and_the_trace_keeps_them() -> None
     # Rounded to integers whose sum is N x the exact mean: within 0.5 / N of it.
     assert abs(np.mean([r.num_prompt_tokens for r in mid]) - sum(served.prompts) / 300) <= 0.5 / 256
     assert abs(np.mean([r.num_output_tokens for r in mid]) - sum(served.outputs) / 300) <= 0.5 / 256
+    # In random order: the capacity search replays the first C requests, which must not be the shortest.
+    first_quarter = [r.num_prompt_tokens for r in mid[:64]]
+    assert np.mean(first_quarter) == pytest.approx(sum(served.prompts) / 300, rel=0.25)
+    assert first_quarter != sorted(first_quarter)
 
 
 def test_p50_and_p90_fall_in_the_buckets_of_the_served_quantiles() -> None:

@@ -25,7 +25,7 @@ bucket holds its share of the N requests to within one. Then every length moves 
 bucket by the same fraction t of the way to its hi (t > 0) or lo (t < 0), t bisected until the
 trace's mean is the exact mean, and lengths are rounded so that their sum is N x that mean
 (largest remainders). Prompt and output lengths are paired at random: the histograms do not say
-which go together. The low and high traces put the same requests at their buckets' lo and hi.
+which go together, and the requests come in random order. The low and high traces put the same requests at their buckets' lo and hi.
 The hit ratio becomes one prefix of P tokens shared by every request longer than P, P chosen so
 that the shared share of prompt tokens is closest to the ratio: an assumption, said in the notes.
 """
@@ -142,13 +142,15 @@ def synthetic_traces(workload: ServerWorkload, replica: ReplicaWorkload, num_req
     rng = np.random.default_rng(seed)
     prompts = _lengths(replica.prompt_tokens, num_requests, rng)
     outputs = _lengths(replica.output_tokens, num_requests, rng)
-    order = rng.permutation(num_requests)
+    # Stratified lengths come out sorted; the capacity search replays the first C requests, so
+    # both are shuffled (the same way in every edge trace).
+    prompt_order, output_order = rng.permutation(num_requests), rng.permutation(num_requests)
     is_one_of_several = len(workload.replicas) > 1 and replica.engine != "all"
     source = f"{workload.url}/metrics" + (f" engine {replica.engine}" if is_one_of_several else "")
     traces = {}
     for edge in EDGES:
         notes = list(replica.notes) + _trace_notes(replica, num_requests)
-        requests = _requests(prompts[edge], outputs[edge][order], replica.prefix_cache_hit_ratio, notes)
+        requests = _requests(prompts[edge][prompt_order], outputs[edge][output_order], replica.prefix_cache_hit_ratio, notes)
         traces[edge] = Trace(requests, f"{source} ({edge})" if edge != "mid" else source, TRACE_FORMAT, tuple(notes))
     return traces
 
