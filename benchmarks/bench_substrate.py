@@ -190,10 +190,10 @@ def choose_victims(tables: list[TokenTable], rng: np.random.Generator, pattern: 
     for table in tables:
         low, high = max(NUM_SINK_TOKENS, table.num_pinned_tokens), table.num_tokens + 1 - NUM_RECENT_TOKENS
         if pattern == "oldest":
-            token_id = low + int(np.argmax(table.live[low:high]))
+            token_id = low + int(np.argmax(table.live_mask[low:high]))
         else:
             token_id = int(rng.integers(low, high))
-            while not table.live[token_id]:
+            while not table.live_mask[token_id]:
                 token_id = int(rng.integers(low, high))
         victims.append(np.array([token_id], dtype=np.int64))
     return victims
@@ -227,7 +227,7 @@ class EvictingRun:
             low, high = max(NUM_SINK_TOKENS, table.num_pinned_tokens), table.num_tokens + 1 - NUM_RECENT_TOKENS
             num_dead = int(self.rng.integers(0, BLOCK_SIZE)) if num_dead_per_request is None else num_dead_per_request
             if num_dead:
-                candidates = low + np.flatnonzero(table.live[low:high])
+                candidates = low + np.flatnonzero(table.live_mask[low:high])
                 self.evict(table, np.sort(self.rng.choice(candidates, num_dead, replace=False)))
 
     def evict(self, table: TokenTable, victims: np.ndarray) -> None:

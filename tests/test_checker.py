@@ -139,12 +139,12 @@ def test_independent_i4_rejects_a_plan_over_a_shared_prefix_block() -> None:
     owner, sharer = TokenTable(0, pool), TokenTable(1, pool)
     owner.sync_new_tokens(pool.allocate(4), 16)
     owner.pin_prefix(8)
-    pool.share(np.array(owner.block_ids_held[:2]))
-    sharer.attach_shared_prefix(np.array(owner.block_ids_held[:2]), 8)
+    pool.share(np.array(owner.held_block_ids[:2]))
+    sharer.attach_shared_prefix(np.array(owner.held_block_ids[:2]), 8)
     owner.evict_tokens(np.array([9, 10, 13, 14]))
     (plan,) = Reclaimer(ReclaimConfig(mode="hole-fill"), pool).plan([owner, sharer])
     check_plan_independently(plan, owner, pool, [])
-    bad = replace(plan, src_block_ids=np.sort(np.append(plan.src_block_ids, owner.block_ids_held[0])))
+    bad = replace(plan, src_block_ids=np.sort(np.append(plan.src_block_ids, owner.held_block_ids[0])))
     with pytest.raises(InvariantError, match="touches shared prefix block 0") as caught:
         check_plan_independently(bad, owner, pool, [])
     assert caught.value.invariant == "I4" and caught.value.where["block_id"] == 0

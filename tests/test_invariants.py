@@ -79,7 +79,7 @@ def test_a_relocation_whose_data_never_moved_fails_the_content_check() -> None:
         return torch.as_tensor(token_ids, dtype=torch.float64).view(1, 1, -1, 1, 1).expand(1, 2, -1, 1, 2)
 
     all_ids = np.arange(14)
-    kv_cache.write(torch.as_tensor(table.block_ids * S + table.offsets), expected(all_ids))
+    kv_cache.write(torch.as_tensor(table.token_block_ids * S + table.token_offsets), expected(all_ids))
     table.apply_moves(plan.moves)  # repointed, but no copy ran: I1 must catch it
     token_ids, slots = table.live_token_ids(), table.slots()
     mismatched = (kv_cache.read(torch.as_tensor(slots)) != expected(token_ids)).flatten(3).any(-1).any(0).any(0).numpy()
@@ -113,7 +113,7 @@ def test_unique_mapping_passes_on_a_clean_state_with_a_shared_prefix() -> None:
 
 def test_a_slot_claimed_twice_raises() -> None:
     pool, owner, sharer = shared_setup()
-    sharer.token_slots[10] = 3 * S + 1  # token 10 onto token 9's slot (block 3, offset 1)
+    sharer._slot[10] = 3 * S + 1  # token 10 onto token 9's slot (block 3, offset 1)
     with raises("I2", r"slot 13 \(block 3, offset 1\) is claimed by request 1 token 9 and request 1 token 10") as raised:
         check_unique_mapping(pool, [owner, sharer])
     assert raised.value.where == {"req_id": 1, "token_id": 10, "block_id": 3, "offset": 1}
@@ -125,7 +125,7 @@ def test_a_slot_claimed_by_two_requests_raises() -> None:
     b = make_table(pool, 2, req_id=1)  # block 2
     pool.share(np.array([1]))
     b.adopt_blocks(np.array([1]))  # b also holds block 1 (not as a pinned prefix)
-    b.token_slots[0] = 1 * S + 0  # and maps its token 0 onto a's token 4
+    b._slot[0] = 1 * S + 0  # and maps its token 0 onto a's token 4
     with raises("I2", "is claimed by request 0 token 4 and request 1 token 0"):
         check_unique_mapping(pool, [a, b])
 
@@ -134,7 +134,7 @@ def test_a_token_mapped_outside_its_blocks_raises() -> None:
     pool = BlockPool(16, S)
     a = make_table(pool, 6)
     make_table(pool, 2, req_id=1)  # block 2
-    a.token_slots[5] = 2 * S + int(a.offsets[5])  # block 1 -> block 2
+    a._slot[5] = 2 * S + int(a.token_offsets[5])  # block 1 -> block 2
     with raises("I2", "request 0: token 5 maps to block 2 it does not hold"):
         check_unique_mapping(pool, [a])
 
@@ -156,7 +156,7 @@ def test_a_reference_no_table_holds_raises() -> None:
 
 def test_a_token_mapped_into_a_shared_prefix_block_raises() -> None:
     pool, owner, sharer = shared_setup()
-    sharer.token_slots[10] = 1 * S + 0  # onto the shared prefix
+    sharer._slot[10] = 1 * S + 0  # onto the shared prefix
     pool.adjust_live(np.array([3]), np.array([-1]))
     with raises("I2", "block 1: pool counts 4 live tokens, the tables map 5"):
         check_unique_mapping(pool, [owner, sharer])
@@ -164,7 +164,7 @@ def test_a_token_mapped_into_a_shared_prefix_block_raises() -> None:
 
 def test_a_pinned_token_out_of_place_raises() -> None:
     pool, owner, sharer = shared_setup()
-    sharer.token_slots[[5, 6]] = sharer.token_slots[[6, 5]]
+    sharer._slot[[5, 6]] = sharer.token_slots[[6, 5]]
     with raises("I2", "request 1: pinned prefix token 5 is not live at its place"):
         check_unique_mapping(pool, [owner, sharer])
 

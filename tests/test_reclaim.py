@@ -71,10 +71,10 @@ def apply(plan: RelocationPlan, table: TokenTable) -> None:
 
 def layout_of(table: TokenTable) -> list[str]:
     """The blocks of a table drawn back as strings, in held order."""
-    drawn = {b: ["."] * S for b in table.block_ids_held}
+    drawn = {b: ["."] * S for b in table.held_block_ids}
     for token_id in table.live_token_ids().tolist():
-        drawn[int(table.block_ids[token_id])][int(table.offsets[token_id])] = "L"
-    return ["".join(drawn[b]) for b in table.block_ids_held]
+        drawn[int(table.token_block_ids[token_id])][int(table.token_offsets[token_id])] = "L"
+    return ["".join(drawn[b]) for b in table.held_block_ids.tolist()]
 
 
 # ---- configuration -----------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_hole_fill_moves_the_last_block_into_earlier_holes_as_drawn_in_the_modul
     assert (plan.num_tokens_moved, plan.num_blocks_freed) == (2, 1)
     apply(plan, table)
     assert layout_of(table) == ["LLLL", "LLL.", "LLL."]
-    assert table.block_ids_held == [0, 1, 3]
+    assert table.held_block_ids.tolist() == [0, 1, 3]
     assert table.pool.num_free_blocks == 32 - 3
 
 
@@ -195,7 +195,7 @@ def test_ordered_packs_the_emptiest_blocks_in_logical_order_into_fresh_blocks() 
     ]
     assert (plan.num_tokens_moved, plan.num_blocks_freed) == (8, 3)
     apply(plan, table)
-    assert table.block_ids_held == [3, 7, 8, 6]
+    assert table.held_block_ids.tolist() == [3, 7, 8, 6]
     assert layout_of(table) == ["LLLL", "LLLL", "LLLL", "L..."]
     assert table.slots().tolist() == [28, 29, 30, 31, 12, 13, 14, 15, 32, 33, 34, 35, 24]
 
@@ -218,7 +218,7 @@ def test_ordered_plans_of_several_requests_take_consecutive_free_blocks_and_stop
         launch(plan, table)
     for plan, table in zip(plans, (a, b), strict=True):
         complete(plan, table)
-    assert [a.block_ids_held, b.block_ids_held] == [[10, 3], [11, 6]]
+    assert [a.held_block_ids.tolist(), b.held_block_ids.tolist()] == [[10, 3], [11, 6]]
     check_unique_mapping(pool, [a, b, c])
 
 
@@ -296,11 +296,11 @@ def test_a_round_stops_planning_once_its_budget_of_moves_is_spent() -> None:
 def test_plan_mutates_nothing() -> None:
     table = make_layout("L...", "...L", "..LL", "LLLL", ".LLL", "...L", tail="L")
     pool = table.pool
-    before = (table.block_ids.copy(), table.offsets.copy(), table.live.copy(), list(table.block_ids_held),
+    before = (table.token_block_ids.copy(), table.token_offsets.copy(), table.live_mask.copy(), list(table.held_block_ids),
               table.layout_version, pool.live_counts.copy(), pool.ref_counts.copy(), pool.num_free_blocks)
     for mode in ("hole-fill", "ordered"):
         assert Reclaimer(ReclaimConfig(mode=mode), pool).plan([table])
-    after = (table.block_ids, table.offsets, table.live, table.block_ids_held,
+    after = (table.token_block_ids, table.token_offsets, table.live_mask, table.held_block_ids.tolist(),
              table.layout_version, pool.live_counts, pool.ref_counts, pool.num_free_blocks)
     for x, y in zip(before, after, strict=True):
         np.testing.assert_array_equal(x, y)

@@ -85,12 +85,12 @@ class SubstrateMachine(RuleBasedStateMachine):
         first = table.num_tokens
         table.sync_new_tokens(self.pool.allocate(num_blocks), first + num_new_tokens)
         new_ids = np.arange(first, table.num_tokens)
-        slots = table.block_ids[new_ids] * S + table.offsets[new_ids]
+        slots = table.token_block_ids[new_ids] * S + table.token_offsets[new_ids]
         self.kv_cache.write(torch.as_tensor(slots), token_kv(table.req_id, new_ids))
         return True
 
     def release_empty_blocks(self, table: TokenTable) -> None:
-        held = np.asarray(table.block_ids_held[table.num_pinned_blocks :], dtype=np.int64)
+        held = np.asarray(table.held_block_ids[table.num_pinned_blocks :], dtype=np.int64)
         emptied = held[self.pool.live_counts[held] == 0]
         table.release_blocks(emptied)
         self.pool.free(emptied)
@@ -112,7 +112,7 @@ class SubstrateMachine(RuleBasedStateMachine):
         if share_idx is not None and owners:
             owner = self.tables[owners[share_idx % len(owners)]]
             num_shared_blocks = 1 + share_idx % owner.num_pinned_blocks
-            shared_ids = np.asarray(owner.block_ids_held[:num_shared_blocks], dtype=np.int64)
+            shared_ids = np.asarray(owner.held_block_ids[:num_shared_blocks], dtype=np.int64)
             self.pool.share(shared_ids)
             table.attach_shared_prefix(shared_ids, num_shared_blocks * S)
             self.prefix_of[table.req_id] = (owner.req_id, num_shared_blocks * S)
@@ -200,7 +200,7 @@ class SubstrateMachine(RuleBasedStateMachine):
         in_flight = self.engine.in_flight_plans
         for table in self.tables.values():
             token_ids, slots = table.live_token_ids(), table.slots()
-            assert slots.tolist() == (table.block_ids[token_ids] * S + table.offsets[token_ids]).tolist()
+            assert slots.tolist() == (table.token_block_ids[token_ids] * S + table.token_offsets[token_ids]).tolist()
             check_visibility(table.req_id, slots, in_flight, S)  # I3
             got = self.kv_cache.read(torch.as_tensor(slots))
             mismatched = (got != self.expected_kv(table, token_ids)).transpose(0, 2).reshape(token_ids.size, VALUES_PER_TOKEN).any(-1).numpy()

@@ -51,8 +51,8 @@ def make_moves(rows: list[tuple[int, int, int, int, int]]) -> Moves:
 def state(table: TokenTable) -> tuple:
     pool = table.pool
     return (
-        table.block_ids.copy(), table.offsets.copy(), table.live.copy(), table.slots().copy(),
-        list(table.block_ids_held), table.tail_num_written, table.num_live_tokens, table.num_tokens,
+        table.token_block_ids.copy(), table.token_offsets.copy(), table.live_mask.copy(), table.slots().copy(),
+        list(table.held_block_ids), table.tail_num_written, table.num_live_tokens, table.num_tokens,
         table.num_pinned_tokens, pool.ref_counts.copy(), pool.live_counts.copy(), pool.num_free_blocks,
         pool.num_live_tokens, pool.utilization_histogram(),
     )
@@ -64,7 +64,7 @@ def assert_unchanged(before: tuple, table: TokenTable) -> None:
 
 
 def brute_force_slots(table: TokenTable) -> list[int]:
-    return [int(table.block_ids[t]) * S + int(table.offsets[t]) for t in range(table.num_tokens) if table.live[t]]
+    return [int(table.token_block_ids[t]) * S + int(table.token_offsets[t]) for t in range(table.num_tokens) if table.live_mask[t]]
 
 
 # ---- growth ------------------------------------------------------------------------------
@@ -74,18 +74,18 @@ def test_sync_places_tokens_across_block_boundaries() -> None:
     pool = make_pool()
     t0 = TokenTable(0, pool)
     assert grow(t0, 6) == [0, 1]
-    assert t0.block_ids.tolist() == [0, 0, 0, 0, 1, 1]
-    assert t0.offsets.tolist() == [0, 1, 2, 3, 0, 1]
+    assert t0.token_block_ids.tolist() == [0, 0, 0, 0, 1, 1]
+    assert t0.token_offsets.tolist() == [0, 1, 2, 3, 0, 1]
     assert t0.slots().tolist() == [0, 1, 2, 3, 4, 5]
     assert t0.tail_num_written == 2
     t1 = make_table(pool, 3, req_id=1)
-    assert t1.block_ids_held == [2]
+    assert t1.held_block_ids.tolist() == [2]
     assert t1.slots().tolist() == [8, 9, 10]
     assert grow(t0, 5) == [3]
-    assert t0.block_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 3]
-    assert t0.offsets.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
+    assert t0.token_block_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 3]
+    assert t0.token_offsets.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
     assert t0.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14]
-    assert t0.block_ids_held == [0, 1, 3]
+    assert t0.held_block_ids.tolist() == [0, 1, 3]
     assert (t0.tail_num_written, t0.num_free_tail_slots()) == (3, 1)
     assert pool.live_counts[:4].tolist() == [4, 4, 3, 3]
     assert (t0.num_tokens, t0.num_live_tokens, pool.num_live_tokens) == (11, 11, 14)
@@ -184,10 +184,10 @@ def test_table_state_is_numpy_arrays_not_python_objects_per_token() -> None:
     pool = BlockPool(300, S)
     table = make_table(pool, 1000)
     table.evict_tokens(np.arange(10, 990, 3))
-    for array, dtype in ((table.block_ids, np.int64), (table.offsets, np.int64), (table.live, np.bool_), (table.slots(), np.int64)):
+    for array, dtype in ((table.token_block_ids, np.int64), (table.token_offsets, np.int64), (table.live_mask, np.bool_), (table.slots(), np.int64)):
         assert isinstance(array, np.ndarray)
         assert array.dtype == dtype
-    assert table.block_ids.size == 1000
+    assert table.token_block_ids.size == 1000
     for name, value in vars(table).items():
         if isinstance(value, (list, tuple, dict, set, frozenset)):
             assert len(value) <= table.num_blocks, f"{name} grows with the number of tokens"
@@ -250,7 +250,7 @@ def test_evict_returns_the_blocks_it_emptied_and_updates_the_pool() -> None:
     assert table.live_token_ids().tolist() == [1, 2, 3]
     assert table.slots().tolist() == [1, 2, 3]
     assert (table.num_live_tokens, pool.num_live_tokens) == (3, 3)
-    assert table.block_ids_held == [0, 1, 2]  # evict does not release
+    assert table.held_block_ids.tolist() == [0, 1, 2]  # evict does not release
     assert table.evict_tokens(np.zeros(0, dtype=np.int64)).tolist() == []
 
 
@@ -292,8 +292,8 @@ def test_apply_moves_repoints_tokens_and_moves_live_counts() -> None:
     table = holey_table()
     version = table.layout_version
     table.apply_moves(make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)]))
-    assert table.block_ids[8:10].tolist() == [0, 0]
-    assert table.offsets[8:10].tolist() == [1, 2]
+    assert table.token_block_ids[8:10].tolist() == [0, 0]
+    assert table.token_offsets[8:10].tolist() == [1, 2]
     assert table.pool.live_counts[:3].tolist() == [4, 4, 2]
     assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 1, 2, 10, 11]
     assert table.layout_version == version + 1
@@ -333,7 +333,7 @@ def test_a_token_evicted_while_its_copy_is_in_flight_is_repointed_without_count_
     moves = make_moves([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)])
     table.evict_tokens(np.array([8]))
     table.apply_moves(moves)
-    assert table.block_ids[8:10].tolist() == [0, 0]
+    assert table.token_block_ids[8:10].tolist() == [0, 0]
     assert table.pool.live_counts[:3].tolist() == [3, 4, 2]
     assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 2, 10, 11]
 
@@ -342,7 +342,7 @@ def test_adopt_blocks_puts_relocation_destinations_before_the_tail() -> None:
     pool = make_pool()
     table = make_table(pool, 10)  # blocks 0, 1, 2 (tail, 2 written)
     table.adopt_blocks(pool.allocate(2))
-    assert table.block_ids_held == [0, 1, 3, 4, 2]
+    assert table.held_block_ids.tolist() == [0, 1, 3, 4, 2]
     assert grow(table, 2) == []
     assert table.slots().tolist()[-2:] == [10, 11]
 
@@ -355,7 +355,7 @@ def test_adopt_blocks_puts_relocation_destinations_before_the_tail() -> None:
 
 
 def release_empty_blocks(table: TokenTable) -> list[int]:
-    held = np.asarray(table.block_ids_held[table.num_pinned_blocks :], dtype=np.int64)
+    held = np.asarray(table.held_block_ids[table.num_pinned_blocks :], dtype=np.int64)
     emptied = held[table.pool.live_counts[held] == 0]
     table.release_blocks(emptied)
     table.pool.free(emptied)
@@ -378,7 +378,7 @@ def test_completion_releases_the_blocks_evictions_emptied_in_flight() -> None:
     assert table.evict_tokens(np.array([0, 3, 8, 9])).tolist() == [0]
     table.apply_moves(moves)
     assert release_empty_blocks(table) == [0]
-    assert table.block_ids_held == [1, 2]
+    assert table.held_block_ids.tolist() == [1, 2]
     assert table.slots().tolist() == [4, 5, 6, 7, 10, 11]
 
 
@@ -391,7 +391,7 @@ def test_a_tail_emptied_in_flight_is_released_at_completion_with_the_sources() -
     assert table.evict_tokens(np.array([12, 13])).tolist() == [3]
     table.apply_moves(moves)
     assert release_empty_blocks(table) == [2, 3]
-    assert (table.block_ids_held, table.tail_num_written) == ([0, 1], S)
+    assert (table.held_block_ids.tolist(), table.tail_num_written) == ([0, 1], S)
     assert grow(table, 1) == [2]
     assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 1, 2, 8]
 
@@ -404,18 +404,18 @@ def test_releasing_the_tail_moves_the_cursor_after_the_last_live_token_of_the_ne
     table = make_table(pool, 10)  # blocks 0, 1, 2 (tail: tokens 8, 9)
     assert evict(table, [6, 7]) == []
     assert evict(table, [8, 9]) == [2]
-    assert table.block_ids_held == [0, 1]
+    assert table.held_block_ids.tolist() == [0, 1]
     assert table.tail_num_written == 2  # token 5 sits at offset 1 of block 1
     assert grow(table, 3) == [2]
     assert table.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
-    assert table.block_ids[10:13].tolist() == [1, 1, 2]
+    assert table.token_block_ids[10:13].tolist() == [1, 1, 2]
 
 
 def test_releasing_every_block_resets_the_cursor() -> None:
     pool = make_pool()
     table = make_table(pool, 3)
     assert evict(table, [0, 1, 2]) == [0]
-    assert (table.block_ids_held, table.tail_num_written, table.num_free_tail_slots()) == ([], 0, 0)
+    assert (table.held_block_ids.tolist(), table.tail_num_written, table.num_free_tail_slots()) == ([], 0, 0)
     assert grow(table, 1) == [0]
     assert table.slots().tolist() == [0]
 
@@ -436,7 +436,7 @@ def test_release_all_returns_every_block_and_leaves_nothing_live() -> None:
     pool = make_pool()
     table = make_table(pool, 10)
     assert table.release_all() == [0, 1, 2]
-    assert table.block_ids_held == []
+    assert table.held_block_ids.tolist() == []
     assert table.num_live_tokens == 0
     assert table.slots().tolist() == []
     pool.free(np.array([0, 1, 2]))
@@ -454,7 +454,7 @@ def test_a_shared_prefix_maps_onto_the_owners_blocks_and_is_counted_once() -> No
     pool.share(np.array([0, 1]))
     sharer.attach_shared_prefix(np.array([0, 1]), 8)
     assert grow(sharer, 3) == [3]
-    assert sharer.block_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 3]
+    assert sharer.token_block_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 3]
     assert sharer.slots().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14]
     assert (sharer.num_pinned_tokens, sharer.num_pinned_blocks) == (8, 2)
     assert pool.ref_counts[:4].tolist() == [2, 2, 1, 1]
@@ -486,13 +486,13 @@ def test_shared_prefix_and_pin_errors() -> None:
     sharer = TokenTable(1, pool)
     with pytest.raises(VTokenError, match="got 7 tokens for 2 blocks of 4"):
         sharer.attach_shared_prefix(np.array([0, 1]), 7)
-    assert (sharer.num_tokens, sharer.block_ids_held) == (0, [])
+    assert (sharer.num_tokens, sharer.held_block_ids.tolist()) == (0, [])
 
 
 def test_an_empty_shared_prefix_is_a_no_op() -> None:
     table = TokenTable(0, make_pool())
     table.attach_shared_prefix(np.zeros(0, dtype=np.int64), 0)
-    assert (table.num_tokens, table.num_pinned_tokens, table.block_ids_held) == (0, 0, [])
+    assert (table.num_tokens, table.num_pinned_tokens, table.held_block_ids.tolist()) == (0, 0, [])
     assert grow(table, 2) == [0]
 
 
@@ -544,3 +544,14 @@ def test_slot_cache_drops_entries_near_either_end_and_grows_at_the_back() -> Non
     cache.append(np.arange(200, 300))  # past the buffer's room: a new buffer, same entries
     cache.append_one(7)
     assert cache.slots().tolist() == [102, 103, 104, 105, 106, 107, *range(200, 300), 7]
+
+
+def test_readers_get_read_only_views():
+    """Only the table's verbs change its mapping: a reader cannot write through a view."""
+    pool = BlockPool(4, S)
+    table = TokenTable(0, pool)
+    table.sync_new_tokens(pool.allocate(2), 6)
+    for view in (table.token_slots, table.live_mask, table.held_block_ids):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 1
+    assert table.token_block_ids.tolist() == [0, 0, 0, 0, 1, 1] and table.token_offsets.tolist() == [0, 1, 2, 3, 0, 1]

@@ -55,11 +55,11 @@ def check_unique_mapping(pool: BlockPool, tables: Sequence[TokenTable]) -> None:
     shared_block_ids: set[int] = set()
     claimed: list[np.ndarray] = []
     for table in tables:
-        held = np.asarray(table.block_ids_held, dtype=np.int64)
+        held = np.asarray(table.held_block_ids, dtype=np.int64)
         expected_refs[held] += 1
         live_ids = table.live_token_ids()
         own_ids = live_ids[live_ids >= table.num_pinned_tokens]
-        blocks = table.block_ids[own_ids]
+        blocks = table.token_block_ids[own_ids]
         outside = ~np.isin(blocks, held)
         if np.any(outside):
             token_id = int(own_ids[outside][0])
@@ -67,8 +67,8 @@ def check_unique_mapping(pool: BlockPool, tables: Sequence[TokenTable]) -> None:
                                  req_id=table.req_id, token_id=token_id)
         np.add.at(expected_live, blocks, 1)
         _check_pinned_prefix(table)
-        shared_block_ids.update(table.block_ids_held[: table.num_pinned_blocks])
-        claimed.append(np.stack((np.full(own_ids.size, table.req_id), own_ids, blocks * block_size + table.offsets[own_ids])))
+        shared_block_ids.update(table.held_block_ids[: table.num_pinned_blocks])
+        claimed.append(np.stack((np.full(own_ids.size, table.req_id), own_ids, blocks * block_size + table.token_offsets[own_ids])))
     for block_id in shared_block_ids:
         expected_live[block_id] += block_size  # counted once; a stray token there shows as S + 1
     _check_no_slot_twice(claimed, block_size)
@@ -81,10 +81,10 @@ def _check_pinned_prefix(table: TokenTable) -> None:
     num_pinned = table.num_pinned_tokens
     if num_pinned == 0:
         return
-    held = np.asarray(table.block_ids_held[: table.num_pinned_blocks], dtype=np.int64)
+    held = np.asarray(table.held_block_ids[: table.num_pinned_blocks], dtype=np.int64)
     expected_blocks = np.repeat(held, table.block_size)
     expected_offsets = np.tile(np.arange(table.block_size), held.size)
-    wrong = ~table.live[:num_pinned] | (table.block_ids[:num_pinned] != expected_blocks) | (table.offsets[:num_pinned] != expected_offsets)
+    wrong = ~table.live_mask[:num_pinned] | (table.token_block_ids[:num_pinned] != expected_blocks) | (table.token_offsets[:num_pinned] != expected_offsets)
     if np.any(wrong):
         token_id = int(np.flatnonzero(wrong)[0])
         raise InvariantError("I2", f"request {table.req_id}: pinned prefix token {token_id} is not live at its place in the shared blocks",
@@ -168,12 +168,12 @@ def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_re
         fail(f"planned on layout version {plan.layout_version}, the table is at {table.layout_version}")
     if plan.src_block_ids.size <= plan.dst_new_block_ids.size:
         fail(f"does not reduce the block count ({plan.src_block_ids.size} sources, {plan.dst_new_block_ids.size} new blocks)")
-    pinned = set(table.block_ids_held[: table.num_pinned_blocks])
+    pinned = set(table.held_block_ids[: table.num_pinned_blocks])
     touched = np.unique(np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids)))
     for block_id in touched.tolist():
         if block_id in pinned or (pool.ref_counts[block_id] > 1 and block_id not in plan.dst_new_block_ids):
             fail(f"touches shared prefix block {block_id}", block_id=block_id)
-    held = np.asarray(table.block_ids_held, dtype=np.int64)
+    held = np.asarray(table.held_block_ids, dtype=np.int64)
     not_held = plan.src_block_ids[~np.isin(plan.src_block_ids, held)]
     if not_held.size:
         fail(f"frees block {int(not_held[0])} the request does not hold", block_id=int(not_held[0]))
@@ -191,7 +191,7 @@ def _live_ids_in(table: TokenTable, pool: BlockPool, block_ids: np.ndarray) -> n
     """Live tokens of `table` stored in `block_ids`, ascending: one pass over the table."""
     is_listed = np.zeros(pool.num_blocks, dtype=bool)
     is_listed[block_ids] = True
-    return np.flatnonzero(is_listed[table.block_ids] & table.live)
+    return np.flatnonzero(is_listed[table.token_block_ids] & table.live_mask)
 
 
 def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: BlockPool, held: np.ndarray, fail) -> None:
@@ -205,7 +205,7 @@ def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: Bloc
     dst_slots = plan.moves.dst_slots(block_size)
     in_dst_blocks = _live_ids_in(table, pool, dst_block_ids)
     staying = in_dst_blocks[~np.isin(in_dst_blocks, plan.moves.token_ids)]
-    occupied = np.isin(dst_slots, table.block_ids[staying] * block_size + table.offsets[staying])
+    occupied = np.isin(dst_slots, table.token_block_ids[staying] * block_size + table.token_offsets[staying])
     if np.any(occupied) or np.unique(dst_slots).size != dst_slots.size:
         i = int(np.flatnonzero(occupied)[0]) if np.any(occupied) else 0
         slot = int(dst_slots[i])

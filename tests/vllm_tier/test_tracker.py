@@ -114,7 +114,7 @@ def test_new_tokens_go_right_after_the_packed_live_tokens():
     tracker = tracker_after_prefill()
     tracker.sync("a", 1, None)
     table = tracker.requests["a"].table
-    assert tracker.vllm_id_of[table.block_ids[10]] == 3 and table.offsets[10] == 2  # position 6
+    assert tracker.vllm_id_of[table.token_block_ids[10]] == 3 and table.token_offsets[10] == 2  # position 6
 
 
 def test_a_check_run_plan_names_the_slots_each_request_reads_and_writes():

@@ -297,7 +297,7 @@ class _DoubleMapTable(TokenTable):
 
     def apply_moves(self, moves: Moves) -> None:
         super().apply_moves(moves)
-        live = moves.token_ids[self.live[moves.token_ids]]
+        live = moves.token_ids[self.live_mask[moves.token_ids]]
         if live.size >= 2:
             first, last = int(live[0]), int(live[-1])
             self._slot[last] = self._slot[first]  # the table's own mapping, behind the pool's back
@@ -333,9 +333,9 @@ class _SharedBlockReclaimer(Reclaimer):
 
     def _with_shared_block(self, plan: RelocationPlan, table: TokenTable, tables: list[TokenTable]) -> RelocationPlan:
         if table.num_pinned_blocks:
-            block_id = table.block_ids_held[table.num_pinned_blocks - 1]
+            block_id = table.held_block_ids[table.num_pinned_blocks - 1]
         else:
-            shared = [b for t in tables for b in t.block_ids_held[: t.num_pinned_blocks] if table.pool.ref_counts[b] > 1]
+            shared = [b for t in tables for b in t.held_block_ids[: t.num_pinned_blocks] if table.pool.ref_counts[b] > 1]
             if not shared:
                 return plan
             block_id = shared[0]

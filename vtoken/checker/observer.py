@@ -96,7 +96,7 @@ class CheckingObserver:
 
     def on_synced(self, table: TokenTable, num_tokens_before: int) -> None:
         token_ids = np.arange(num_tokens_before, table.num_tokens)
-        slots = table.block_ids[token_ids] * self.block_size + table.offsets[token_ids]
+        slots = table.token_block_ids[token_ids] * self.block_size + table.token_offsets[token_ids]
         self.contents.place(table, token_ids, slots)
 
     def on_forward(self, batch: Batch, in_flight_plans: list[RelocationPlan]) -> None:
@@ -132,7 +132,7 @@ class CheckingObserver:
         repaired after it is reported, so that later reads do not report it again."""
         live_ids = table.live_token_ids()
         check_conservation(table.req_id, live_ids_before, live_ids)
-        slots = table.block_ids[live_ids] * self.block_size + table.offsets[live_ids]
+        slots = table.token_block_ids[live_ids] * self.block_size + table.token_offsets[live_ids]
         check_contents(table.req_id, live_ids, slots, self.contents.lost(table, live_ids, slots), self.block_size)
 
     def _check_reads(self, table: TokenTable, in_flight_plans: list[RelocationPlan]) -> None:
@@ -141,7 +141,7 @@ class CheckingObserver:
         read_slots = table.slots()
         check_visibility(table.req_id, read_slots, in_flight_plans, self.block_size)
         live_ids = table.live_token_ids()
-        mapped = table.block_ids[live_ids] * self.block_size + table.offsets[live_ids]
+        mapped = table.token_block_ids[live_ids] * self.block_size + table.token_offsets[live_ids]
         if read_slots.shape != mapped.shape or not np.array_equal(read_slots, mapped):
             self._raise_stale_read(table, live_ids, read_slots, mapped)
         mismatched = self.contents.misread(table, live_ids, read_slots)
@@ -184,7 +184,7 @@ class CheckingObserver:
         block_id, offset = where.get("block_id"), where.get("offset")
         table = self._table_of(req_idx)
         if block_id is None and table is not None and token_id is not None and token_id < table.num_tokens:
-            block_id, offset = int(table.block_ids[token_id]), int(table.offsets[token_id])
+            block_id, offset = int(table.token_block_ids[token_id]), int(table.token_offsets[token_id])
         config = self.scenario.config
         requests = self.scenario.requests
         self._first[invariant] = Violation(
@@ -244,7 +244,7 @@ def check_plan_independently(plan: RelocationPlan, table: TokenTable, pool: Bloc
     fresh destination block is still free."""
     check_plan(plan, table, pool, frozenset(p.req_id for p in in_flight_plans))
     moves = plan.moves
-    stale = (table.block_ids[moves.token_ids] != moves.src_block_ids) | (table.offsets[moves.token_ids] != moves.src_offsets)
+    stale = (table.token_block_ids[moves.token_ids] != moves.src_block_ids) | (table.token_offsets[moves.token_ids] != moves.src_offsets)
     if np.any(stale):
         i = int(np.flatnonzero(stale)[0])
         token_id, block_id, offset = int(moves.token_ids[i]), int(moves.src_block_ids[i]), int(moves.src_offsets[i])

@@ -70,7 +70,7 @@ class ModelKVSnapshots:
         return None
 
     def _slots(self, table: TokenTable, token_ids: np.ndarray) -> np.ndarray:
-        return table.block_ids[token_ids] * self._block_size + table.offsets[token_ids]
+        return table.token_block_ids[token_ids] * self._block_size + table.token_offsets[token_ids]
 
     def _read(self, slots: np.ndarray) -> torch.Tensor:
         return self._kv_cache.read(torch.from_numpy(slots))

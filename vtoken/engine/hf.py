@@ -230,7 +230,7 @@ class HFExecutor:
         attention = out.attention[:, 0].cpu().numpy() if out.attention is not None else None
         for row, (record, table) in enumerate(zip(records, tables)):
             if table.num_live_tokens < table.num_tokens:
-                record.note_hidden(table.live, int(positions[row]))
+                record.note_hidden(table.live_mask, int(positions[row]))
             if record.scores is not None:
                 record.scores.add(table.live_token_ids(), attention[row : row + 1, : num_keys[row]], num_keys[row : row + 1])
 

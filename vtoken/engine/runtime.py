@@ -271,7 +271,7 @@ class Runtime:
         table = state.table
         live_before = table.live_token_ids()
         table.apply_moves(plan.moves)
-        held = table.held_block_ids()[table.num_pinned_blocks :]
+        held = table.held_block_ids[table.num_pinned_blocks :]
         emptied = held[self.pool.live_counts[held] == 0]
         table.release_blocks(emptied)
         self.pool.free(emptied)

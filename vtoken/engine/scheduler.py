@@ -144,7 +144,7 @@ class Scheduler:
         table.sync_new_tokens(block_ids, num_tokens)
         if prefix is None and num_prefix_blocks > 0:
             table.pin_prefix(num_prefix_blocks * self.pool.block_size)
-            prefix = self._prefixes.setdefault(state.request.prefix_id, _Prefix(np.asarray(table.block_ids_held[:num_prefix_blocks])))
+            prefix = self._prefixes.setdefault(state.request.prefix_id, _Prefix(table.held_block_ids[:num_prefix_blocks].copy()))
         if prefix is not None:
             prefix.num_holders += 1
             state.holds_prefix = state.request.prefix_id

@@ -31,7 +31,7 @@ from vtoken.kv.token_table import Moves, TokenTable
 def live_positions(table: TokenTable) -> tuple[np.ndarray, np.ndarray]:
     """Live logical ids (ascending) and their positions in the request's block list."""
     live_ids = table.live_token_ids()
-    held = table.held_block_ids()
+    held = table.held_block_ids
     index_of_block = np.full(int(held.max(initial=-1)) + 1, -1, dtype=np.int64)
     index_of_block[held] = np.arange(held.size)
     slots = table.token_slots[live_ids]
@@ -65,7 +65,7 @@ def plan_compaction(table: TokenTable, mode: str) -> Moves:
 
 
 def _moves(table: TokenTable, token_ids: np.ndarray, src: np.ndarray, dst: np.ndarray) -> Moves:
-    held = table.held_block_ids()
+    held = table.held_block_ids
     size = table.block_size
     order = np.argsort(token_ids, kind="stable")
     token_ids, src, dst = token_ids[order], src[order], dst[order]

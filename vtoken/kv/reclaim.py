@@ -161,7 +161,7 @@ def num_reclaimable_blocks(table: TokenTable) -> int:
 
 def movable_block_ids(table: TokenTable) -> np.ndarray:
     """Blocks a plan may touch: held, not a pinned prefix, not the open tail, not shared."""
-    held = table.held_block_ids()[table.num_pinned_blocks :]
+    held = table.held_block_ids[table.num_pinned_blocks :]
     if held.size and table.tail_num_written < table.block_size:
         held = held[:-1]
     return held[table.pool.ref_counts[held] == 1]

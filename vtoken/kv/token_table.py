@@ -88,37 +88,39 @@ class TokenTable:
         self._cache = SlotCache()  # the slot list once a token is dead
 
     # ---- read-only views ---------------------------------------------------------------------
-
-    @property
-    def block_ids(self) -> np.ndarray:
-        """Block of each logical token, [num_tokens] (stale for dead tokens). A new array."""
-        return self._slot[: self.num_tokens] // self.block_size
-
-    @property
-    def offsets(self) -> np.ndarray:
-        return self._slot[: self.num_tokens] % self.block_size
+    # One name per concept. Per logical token ([num_tokens], stale for dead tokens):
+    # `token_slots`, `token_block_ids`, `token_offsets`, `live_mask`. Per block the request holds
+    # ([num_blocks], the tail last): `held_block_ids`. Views are read-only and valid until the
+    # table next changes; only the table's verbs change its mapping.
 
     @property
     def token_slots(self) -> np.ndarray:
-        """block_id * S + offset of each logical token, [num_tokens] (stale for dead tokens)."""
-        return self._slot[: self.num_tokens]
+        """block_id * S + offset of each logical token."""
+        return _read_only(self._slot[: self.num_tokens])
 
     @property
-    def live(self) -> np.ndarray:
-        return self._live[: self.num_tokens]
+    def token_block_ids(self) -> np.ndarray:
+        """Block of each logical token (a new array)."""
+        return self._slot[: self.num_tokens] // self.block_size
+
+    @property
+    def token_offsets(self) -> np.ndarray:
+        """Offset inside its block of each logical token (a new array)."""
+        return self._slot[: self.num_tokens] % self.block_size
+
+    @property
+    def live_mask(self) -> np.ndarray:
+        """True for each logical token still live."""
+        return _read_only(self._live[: self.num_tokens])
 
     @property
     def num_live_tokens(self) -> int:
         return self.num_tokens - self._num_dead
 
     @property
-    def block_ids_held(self) -> list[int]:
-        """The blocks this request holds, in order, the tail last (a new list)."""
-        return self._held[: self._num_held].tolist()
-
     def held_block_ids(self) -> np.ndarray:
-        """`block_ids_held` as an array view: valid until the table next changes."""
-        return self._held[: self._num_held]
+        """The blocks this request holds, in order, the tail last."""
+        return _read_only(self._held[: self._num_held])
 
     @property
     def num_blocks(self) -> int:
@@ -129,10 +131,10 @@ class TokenTable:
         return self.num_pinned_tokens // self.block_size
 
     def live_token_ids(self) -> np.ndarray:
-        return np.flatnonzero(self.live)
+        return np.flatnonzero(self._live[: self.num_tokens])
 
     def evicted_token_ids(self) -> np.ndarray:
-        return np.flatnonzero(~self.live)
+        return np.flatnonzero(~self._live[: self.num_tokens])
 
     def slots(self) -> np.ndarray:
         """Physical slots of the live tokens in logical order (Eq. 2): block_id * S + offset.
@@ -306,7 +308,7 @@ class TokenTable:
         pool = self.pool
         if block_ids.min() < 0 or block_ids.max() >= pool.num_blocks or not is_distinct(np.sort(block_ids)):
             raise VTokenError(f"request {self.req_id}: new blocks {block_ids.tolist()} are out of range or repeated")
-        stale = (pool.ref_counts[block_ids] != 1) | (pool.live_counts[block_ids] != 0) | (positions_in(self.held_block_ids(), block_ids) >= 0)
+        stale = (pool.ref_counts[block_ids] != 1) | (pool.live_counts[block_ids] != 0) | (positions_in(self._held[: self._num_held], block_ids) >= 0)
         if stale.any():
             raise VTokenError(f"request {self.req_id}: block {int(block_ids[stale][0])} is not a freshly allocated block")
 
@@ -422,7 +424,7 @@ class TokenTable:
         if block_ids.size == 0:
             return
         self.flush()
-        held = self.held_block_ids()
+        held = self._held[: self._num_held]
         tail = held[-1:].copy()
         tail_slot, cursor = self._tail_slot, self.tail_num_written
         self._num_held -= tail.size
@@ -467,7 +469,7 @@ class TokenTable:
             token_id = int(ids[stale][0])
             raise VTokenError(f"request {self.req_id}: move of token {token_id} names a source it does not occupy")
         dst_block_ids = moves.dst_block_ids
-        held = positions_in(self.held_block_ids(), dst_block_ids) >= 0
+        held = positions_in(self._held[: self._num_held], dst_block_ids) >= 0
         if not held.all():
             raise VTokenError(f"request {self.req_id}: move into block {int(dst_block_ids[~held][0])} it does not hold")
         # a destination is taken when a live token that does not move away sits there
@@ -492,7 +494,7 @@ class TokenTable:
         if not is_distinct(released):
             released = np.unique(released)
         self.flush()
-        held = self.held_block_ids()
+        held = self._held[: self._num_held]
         positions = positions_in(held, released)
         if np.any(positions < 0):
             raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released[positions < 0].tolist())}")
@@ -534,7 +536,7 @@ class TokenTable:
     def release_all(self) -> list[int]:
         """Drop every block (request finished or preempted); returns them for the caller to free."""
         self.flush()
-        block_ids = self.block_ids_held
+        block_ids = self._held[: self._num_held].tolist()
         self._num_held = 0
         self._live[: self.num_tokens] = False
         self._num_dead = self.num_tokens
@@ -545,3 +547,8 @@ class TokenTable:
         self.layout_version += 1
         return block_ids
 
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view

@@ -234,7 +234,7 @@ class VTokenTracker:
         moves = plan_compaction(table, self.settings.reclaim.mode)
         table.apply_moves(moves)
         num_dense_blocks = -(-table.num_live_tokens // self.block_size)
-        emptied = np.asarray(table.block_ids_held[num_dense_blocks:], dtype=np.int64)
+        emptied = table.held_block_ids[num_dense_blocks:].copy()  # release_blocks rewrites the held list
         table.release_blocks(emptied)
         self.ledger.free(emptied)
         # New tokens go right after the packed live tokens, where vLLM will write them; the
