@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from vtoken.kv.block_pool import NUM_HISTOGRAM_BINS, BlockPool
+from vtoken.kv.block_pool import NUM_HISTOGRAM_BINS, BlockPool, waste_ratio
 
 PERCENTILE_METHOD = "linear"
 MAX_TIMELINE_POINTS = 2000
@@ -76,10 +76,7 @@ class MemorySample:
 
     @property
     def waste_ratio(self) -> float:
-        """F (Eq. 1); 0.0 with no block allocated."""
-        if self.num_allocated_blocks == 0:
-            return 0.0
-        return 1.0 - self.num_live_tokens / (self.num_allocated_blocks * self.block_size)
+        return waste_ratio(self.num_live_tokens, self.num_allocated_blocks, self.block_size)
 
     @property
     def frac_blocks_le_half(self) -> float:
@@ -222,13 +219,13 @@ class Recorder:
         num_allocated = memory.num_allocated_blocks
         trapped = (num_allocated * memory.block_size - memory.num_live_tokens) * self.kv_bytes_per_token
         fractions = memory.histogram / num_allocated if num_allocated else np.zeros(NUM_HISTOGRAM_BINS)
-        waste_ratio = memory.waste_ratio
+        waste = memory.waste_ratio
         values = np.array([
-            waste_ratio,
+            waste,
             memory.frac_blocks_le_half,
             num_allocated / num_running if num_running else 0.0,
             trapped,
-            1.0 - waste_ratio if num_allocated else 0.0,
+            1.0 - waste if num_allocated else 0.0,
         ])
         self._last = (now_s, values, fractions, num_running > 0)
         self.peak_allocated_blocks = max(self.peak_allocated_blocks, num_allocated)

@@ -293,10 +293,7 @@ class BlockPool:
 
     def waste_ratio(self) -> float:
         """F (Eq. 1) over the allocated blocks; 0.0 for an empty pool."""
-        num_allocated = self.num_allocated_blocks
-        if num_allocated == 0:
-            return 0.0
-        return 1.0 - self.num_live_tokens / (num_allocated * self.block_size)
+        return waste_ratio(self.num_live_tokens, self.num_allocated_blocks, self.block_size)
 
     def utilization_histogram(self) -> np.ndarray:
         """Allocated blocks per bin of u = live / S: [0, .1), [.1, .2), ..., [.9, 1.0]."""
@@ -309,3 +306,10 @@ class BlockPool:
             self.flush_deferred()
         num_allocated = self.num_allocated_blocks
         return self._num_blocks_le_half / num_allocated if num_allocated else 0.0
+
+
+def waste_ratio(num_live_tokens: int, num_allocated_blocks: int, block_size: int) -> float:
+    """F (Eq. 1) = 1 - live tokens / (allocated blocks x S); 0.0 with no block allocated."""
+    if num_allocated_blocks == 0:
+        return 0.0
+    return 1.0 - num_live_tokens / (num_allocated_blocks * block_size)

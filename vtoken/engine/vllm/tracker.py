@@ -39,7 +39,7 @@ from vtoken.engine.vllm.plan import StepPlan
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_unique_mapping
-from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.block_pool import BlockPool, waste_ratio
 from vtoken.kv.compaction import live_positions, naive_num_blocks, plan_compaction
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import RunCounters
@@ -59,10 +59,8 @@ class EngineStats:
 
     @property
     def waste_ratio(self) -> float:
-        """F (Eq. 1) over vLLM's allocated blocks; 0.0 with none allocated."""
-        if self.num_allocated_blocks == 0:
-            return 0.0
-        return 1.0 - self.num_live_tokens / (self.num_allocated_blocks * self.block_size)
+        """F (Eq. 1) over vLLM's allocated blocks."""
+        return waste_ratio(self.num_live_tokens, self.num_allocated_blocks, self.block_size)
 
 
 @dataclass
