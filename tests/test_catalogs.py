@@ -13,26 +13,33 @@ from vtoken.model_spec import MODELS, ModelSpec, model_spec_from_hf_config, reso
 MiB = 2**20
 GiB = 2**30
 
-# The fields of each model's published config.json that the estimate reads.
+# The fields of each model's published config.json that the estimate and the context read
+# (Qwen2.5: the Instruct config's 32768, served without YaRN).
 HF_CONFIGS = {
     "llama-3.1-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                      "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-                     "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+                     "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                     "max_position_embeddings": 131072},
     "mistral-7b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                    "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-                   "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+                   "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                   "max_position_embeddings": 32768},
     "qwen2.5-7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
                    "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                   "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+                   "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                   "max_position_embeddings": 32768},
     "qwen2.5-14b": {"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40,
                     "num_hidden_layers": 48, "num_key_value_heads": 8, "vocab_size": 152064,
-                    "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+                    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                    "max_position_embeddings": 32768},
     "llama-3.1-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                       "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256,
-                      "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+                      "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                      "max_position_embeddings": 131072},
     "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
                      "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152,
-                     "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
+                     "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+                     "max_position_embeddings": 8192},
 }
 
 
@@ -79,6 +86,7 @@ def test_hf_config_reproduces_the_catalog(tmp_path, name):
             spec.dtype_bytes) == (catalog.num_layers, catalog.num_kv_heads, catalog.head_dim,
                                   catalog.num_attention_heads, catalog.hidden_size, catalog.dtype_bytes)
     assert spec.num_params == pytest.approx(catalog.num_params, rel=0.01)
+    assert spec.max_model_len == catalog.max_model_len == HF_CONFIGS[name]["max_position_embeddings"]
 
 
 def test_hf_config_exact_estimate_and_defaults(tmp_path):

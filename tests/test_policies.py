@@ -23,6 +23,7 @@ from vtoken.policies import (
     Scissorhands,
     StreamingLLM,
     make_policy,
+    resolve_policy_name,
     num_victims,
     protected_mask,
 )
@@ -71,7 +72,7 @@ def make_view(
         (".25", 0.25, None),
         ("1.0", 1.0, None),
         ("512", None, 512),
-        ("1", None, 1),
+        ("1", None, 1),  # Budget.parse reads the form; the CLI refuses counts below the protected tokens
         (" 64 ", None, 64),
     ],
 )
@@ -403,3 +404,31 @@ def test_policies_never_import_the_substrate_torch_or_the_cli() -> None:
     for path in source_paths:
         forbidden = [module for module in imported_modules(path.read_text()) if is_forbidden(module)]
         assert forbidden == [], f"{path.name} imports {forbidden}"
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("h2o", "h2o"), ("H2O", "h2o"), ("streamingllm", "streaming_llm"), ("Streaming-LLM", "streaming_llm"),
+    ("streaming_llm", "streaming_llm"), ("TOVA", "tova"), ("Scissor_Hands", "scissorhands"),
+])
+def test_policy_names_are_read_loosely(name: str, expected: str) -> None:
+    assert resolve_policy_name(name) == expected
+    assert make_policy(name).name == expected
+
+
+def test_an_unknown_policy_name_lists_the_registry() -> None:
+    with pytest.raises(ConfigError, match=r"unknown policy 'lru'; choose one of: h2o, streaming_llm"):
+        resolve_policy_name("lru")
+
+
+def test_a_count_below_the_protected_tokens_is_refused_where_asked() -> None:
+    budget = Budget.parse("10")
+    assert budget.num_protected_tokens == 68 and budget.num_keep_tokens(100) == 10
+    with pytest.raises(ConfigError, match=r"^--budget 10 is below the 68 tokens no policy evicts \(4 sinks \+ 64 recent\)"):
+        budget.require_count_covers_protected("--budget")
+    for fine in (Budget.parse("68"), Budget.parse("1%"), Budget.parse("10", 2, 8)):
+        assert fine.require_count_covers_protected() is fine
+
+
+def test_parse_names_where_the_budget_came_from() -> None:
+    with pytest.raises(ConfigError, match=r"^--budget must be a keep ratio"):
+        Budget.parse("lots", where="--budget")

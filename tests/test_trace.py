@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vtoken.errors import TraceError
-from vtoken.trace import Request, detect_format, load_trace
+from vtoken.trace import Request, detect_format, load_trace, within_context
 
 DATA = Path(__file__).parent / "data"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ def test_native_timestamps_that_look_like_ms_get_a_note(tmp_path):
     path = write(tmp_path, "\n".join(line(request_id=idx, timestamp=idx * 250) for idx in range(4)))
     trace = load_trace(path)
     assert [req.arrival_s for req in trace.requests] == [0.0, 250.0, 500.0, 750.0]
-    assert len(trace.notes) == 1 and "time_unit='ms'" in trace.notes[0]
+    assert len(trace.notes) == 1 and "--time-unit ms" in trace.notes[0]
     assert load_trace(path, time_unit="s").notes == ()
 
 
@@ -125,7 +125,7 @@ def test_azure_timestamps_keep_all_7_fractional_digits_and_zero_rows_are_counted
 
 
 def test_azure_rejects_time_unit():
-    with pytest.raises(TraceError, match="time_unit applies only to jsonl and mooncake"):
+    with pytest.raises(TraceError, match=r"time unit \(--time-unit\) applies only to jsonl and mooncake"):
         load_trace(DATA / "azure.csv", time_unit="ms")
 
 
@@ -194,7 +194,7 @@ def test_explicit_format_overrides_detection():
 @pytest.mark.parametrize("options, message", [
     ({"format": "csv"}, r"unknown trace format 'csv'; choose one of auto, jsonl, mooncake, azure, sharegpt"),
     ({"time_unit": "us"}, r"unknown time unit 'us'; choose one of s, ms"),
-    ({"max_requests": 0}, r"max_requests must be > 0, got 0"),
+    ({"max_requests": 0}, r"max_requests \(--max-requests\) must be > 0, got 0"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(TraceError, match=message):
@@ -283,7 +283,8 @@ def test_azure_blank_lines_keep_line_numbers(tmp_path):
 
 def test_azure_missing_column(tmp_path):
     path = write(tmp_path, "TIMESTAMP,ContextTokens,Output\n2023-11-16 18:15:46.0,10,5\n", "trace.csv")
-    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))} line 1: missing column 'GeneratedTokens'"):
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))} line 1: a CSV trace is an Azure LLM inference trace with the columns TIMESTAMP, "
+                                              "ContextTokens, GeneratedTokens; missing GeneratedTokens in the header"):
         load_trace(path)
 
 
@@ -359,3 +360,38 @@ def test_sample_trace_script_rewrites_identical_bytes(tmp_path, capsys):
     for stats in ("240 requests over 41.9 s (5.73 req/s)", "24 requests over 115.7 s (0.21 req/s)",
                   "64 requests over 32.2 s (1.98 req/s)"):
         assert stats in printed and stats in readme
+
+
+# --- the model's context, and a file of another format --------------------------------------
+
+
+def test_within_context_skips_longer_requests_with_a_note(tmp_path):
+    path = write(tmp_path, "\n".join([line(request_id="a", input_length=90, output_length=10),
+                                      line(request_id="b", timestamp=1, input_length=95, output_length=10),
+                                      line(request_id="c", timestamp=2, input_length=20, output_length=5)]))
+    trace = load_trace(path)
+    assert within_context(trace, None) is trace and within_context(trace, 105) is trace
+    kept = within_context(trace, 100)
+    assert [r.request_id for r in kept.requests] == ["a", "c"]
+    assert kept.notes == ("1 request longer than the model's context of 100 tokens skipped",)
+    with pytest.raises(TraceError, match=r"every request is longer than the model's context of 10 tokens"):
+        within_context(trace, 10)
+
+
+def test_a_csv_with_other_columns_names_the_expected_ones(tmp_path):
+    path = write(tmp_path, "a,b,c\n1,2,3\n", "trace.csv")
+    assert detect_format(path.read_text()) == "azure"
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))} line 1: .*columns TIMESTAMP, ContextTokens, "
+                                         r"GeneratedTokens; missing TIMESTAMP, ContextTokens, GeneratedTokens"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("name, text, guessed", [
+    ("trace.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,10,5\n", "azure"),
+    ("trace.json", '[\n{"conversations": []}\n]', "sharegpt"),
+])
+def test_jsonl_format_on_another_format_says_which(tmp_path, name, text, guessed):
+    path = write(tmp_path, text, name)
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))} line 1: not JSON, so not a JSONL trace .*"
+                                         rf"read it with format '{guessed}' or 'auto'"):
+        load_trace(path, "jsonl")

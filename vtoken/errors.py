@@ -24,3 +24,8 @@ class InvariantError(VTokenError):
         super().__init__(f"{invariant} violated: {message}")
         self.invariant = invariant
         self.where = where
+
+
+class NothingMeasuredError(VTokenError):
+    """A run that measured nothing: no request completed, no check ran, or an asked-for fault
+    was never injected. Its figures would be zeros and NaN, so it is refused instead."""

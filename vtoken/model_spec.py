@@ -35,6 +35,9 @@ class ModelSpec:
     hidden_size: int
     num_params: int  # total parameters: weight bytes, and per-token FLOPs = 2 * num_params
     dtype_bytes: int = 2  # of the KV cache: bf16/fp16 = 2, fp8 = 1, fp32 = 4
+    # Longest sequence (prompt + output tokens) the model serves: config.json's
+    # max_position_embeddings, as vLLM's default max_model_len. None: not known.
+    max_model_len: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -53,13 +56,15 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        # Values from each model's published config.json; num_params from the model card.
-        ModelSpec("llama-3.1-8b", 32, 8, 128, 32, 4096, 8_030_000_000),
-        ModelSpec("mistral-7b", 32, 8, 128, 32, 4096, 7_240_000_000),
-        ModelSpec("qwen2.5-7b", 28, 4, 128, 28, 3584, 7_620_000_000),
-        ModelSpec("qwen2.5-14b", 48, 8, 128, 40, 5120, 14_700_000_000),
-        ModelSpec("llama-3.1-70b", 80, 8, 128, 64, 8192, 70_600_000_000),
-        ModelSpec("smollm2-135m", 30, 3, 64, 9, 576, 134_500_000),
+        # Values from each model's published config.json; num_params from the model card. The
+        # context is max_position_embeddings; Qwen2.5's 32768 is what its Instruct config.json
+        # serves by default (131072 needs YaRN rope scaling turned on).
+        ModelSpec("llama-3.1-8b", 32, 8, 128, 32, 4096, 8_030_000_000, max_model_len=131072),
+        ModelSpec("mistral-7b", 32, 8, 128, 32, 4096, 7_240_000_000, max_model_len=32768),
+        ModelSpec("qwen2.5-7b", 28, 4, 128, 28, 3584, 7_620_000_000, max_model_len=32768),
+        ModelSpec("qwen2.5-14b", 48, 8, 128, 40, 5120, 14_700_000_000, max_model_len=32768),
+        ModelSpec("llama-3.1-70b", 80, 8, 128, 64, 8192, 70_600_000_000, max_model_len=131072),
+        ModelSpec("smollm2-135m", 30, 3, 64, 9, 576, 134_500_000, max_model_len=8192),
     )
 }
 
@@ -98,7 +103,8 @@ def model_spec_from_hf_config(path: str | Path) -> ModelSpec:
     """Read an HF config.json (or a folder holding one) into a ModelSpec.
 
     num_key_value_heads defaults to num_attention_heads (no GQA), head_dim to
-    hidden_size / num_attention_heads, the dtype to bf16. Multimodal configs are read through
+    hidden_size / num_attention_heads, the dtype to bf16, the context (max_model_len) to
+    max_position_embeddings when it is a positive integer. Multimodal configs are read through
     their `text_config`. num_params is an ESTIMATE for a dense model: embeddings, per layer the
     q/k/v/o projections and a gated MLP (gate, up, down of intermediate_size), plus lm_head
     unless tie_word_embeddings; biases and norms are left out (< 0.1% for common models).
@@ -119,6 +125,7 @@ def model_spec_from_hf_config(path: str | Path) -> ModelSpec:
         hidden_size=hidden_size,
         num_params=_estimate_num_params(config, int(head_dim), int(num_kv_heads), config_path),
         dtype_bytes=_config_dtype_bytes(config, config_path),
+        max_model_len=_optional_positive_int(config, "max_position_embeddings"),
     )
 
 
@@ -139,6 +146,11 @@ def _config_int(config: dict, key: str, config_path: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{config_path}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _optional_positive_int(config: dict, key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _config_dtype_bytes(config: dict, config_path: Path) -> int:

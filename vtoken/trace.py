@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ def load_trace(
     text = readers.read_text(source)
     fmt = detect_format(text) if format == "auto" else format
     if time_unit is not None and fmt not in readers.DEFAULT_TIME_UNIT:
-        raise TraceError(f"{source}: time_unit applies only to jsonl and mooncake timestamps, "
+        raise TraceError(f"{source}: a time unit (--time-unit) applies only to jsonl and mooncake timestamps, "
                          f"not to {fmt}, got {time_unit!r}")
     options = readers.Options(source, time_unit or readers.DEFAULT_TIME_UNIT.get(fmt, "s"), time_unit is None,
                        max_requests, tokenizer)
@@ -106,9 +106,31 @@ def load_trace(
     return Trace(tuple(requests), source, fmt, tuple(parsed.notes))
 
 
+def within_context(trace: Trace, max_model_len: int | None) -> Trace:
+    """`trace` without the requests longer (prompt + output tokens) than `max_model_len`, with a
+    note saying how many were skipped; the trace itself when none is (or the length is None).
+
+    A server refuses such a request, so a replay would measure something no deployment runs.
+    Raises TraceError when no request fits.
+    """
+    if max_model_len is None:
+        return trace
+    kept = tuple(r for r in trace.requests if r.num_prompt_tokens + r.num_output_tokens <= max_model_len)
+    num_skipped = len(trace.requests) - len(kept)
+    if num_skipped == 0:
+        return trace
+    if not kept:
+        raise TraceError(f"{trace.source}: every request is longer than the model's context of {max_model_len} "
+                         "tokens (prompt + output)")
+    note = (f"{num_skipped} request{'s' if num_skipped > 1 else ''} longer than the model's context of "
+            f"{max_model_len} tokens skipped")
+    return replace(trace, requests=kept, notes=(*trace.notes, note))
+
+
 def detect_format(text: str) -> str:
     """Guess the format from the content: '[' starts ShareGPT, a TIMESTAMP/ContextTokens header
-    is Azure, a first JSON object with `hash_ids` is Mooncake, anything else native JSONL."""
+    (or any first line of comma-separated non-JSON) is Azure, a first JSON object with
+    `hash_ids` is Mooncake, anything else native JSONL."""
     start = re.search(r"\S", text)
     if start is None:
         return "jsonl"
@@ -122,5 +144,6 @@ def detect_format(text: str) -> str:
     try:
         first = json.loads(first_line)
     except json.JSONDecodeError:
-        return "jsonl"
+        # Not JSON: a comma-separated first line is a CSV header, which the Azure reader checks.
+        return "azure" if "," in first_line and not first_line.startswith("{") else "jsonl"
     return "mooncake" if isinstance(first, dict) and "hash_ids" in first else "jsonl"

@@ -60,7 +60,7 @@ def check_options(format: str, time_unit: str | None, max_requests: int | None) 
     if time_unit is not None and time_unit not in TIME_UNITS:
         raise TraceError(f"unknown time unit {time_unit!r}; choose one of {', '.join(TIME_UNITS)}")
     if max_requests is not None and max_requests <= 0:
-        raise TraceError(f"max_requests must be > 0, got {max_requests}")
+        raise TraceError(f"max_requests (--max-requests) must be > 0, got {max_requests}")
 
 
 def read_text(source: str) -> str:
@@ -120,10 +120,26 @@ def _json_objects(text: str, source: str) -> Iterator[tuple[_Where, dict]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
-            raise where.error("malformed JSON (truncated line?)", line) from None
+            raise _not_json(text, where, line) from None
         if not isinstance(obj, dict):
             raise where.error("expected a JSON object", line)
         yield where, obj
+
+
+def _not_json(text: str, where: _Where, line: str) -> TraceError:
+    """A line that is not JSON: truncated, or (the first line) a file of another format."""
+    from vtoken.trace import detect_format
+
+    if not any(earlier.strip() for earlier in text.splitlines()[:where.line_no - 1]):
+        guessed = detect_format(text)
+        if guessed in ("azure", "sharegpt"):
+            return where.error(f"not JSON, so not a JSONL trace (one JSON object a line); the file looks like "
+                               f"{_FORMAT_LOOKS[guessed]}: read it with format '{guessed}' or 'auto'", line)
+        return where.error("not JSON: a JSONL trace has one JSON object a line (native or Mooncake)", line)
+    return where.error("malformed JSON (truncated line?)", line)
+
+
+_FORMAT_LOOKS = {"azure": "a CSV with a header", "sharegpt": "a JSON array (ShareGPT)"}
 
 
 def _request_id(obj: dict, where: _Where) -> str:
@@ -209,7 +225,7 @@ def _time_unit_notes(arrivals_s: list[float], options: Options) -> list[str]:
     median_gap_s = gaps_s[len(gaps_s) // 2]
     if options.time_unit == "s" and median_gap_s > _SUSPICIOUS_MEDIAN_GAP_S:
         return [f"timestamps read as seconds, but the median inter-arrival is {median_gap_s:.0f} s: "
-                "if they are milliseconds, pass time_unit='ms'"]
+                "if they are milliseconds, pass --time-unit ms"]
     return []
 
 
@@ -236,7 +252,7 @@ def _read_mooncake(text: str, options: Options) -> _Parsed:
     rows, arrivals_s, notes = _rebased_rows(_parse_rows(text, options, _mooncake_hash_ids), options)
     if options.is_time_unit_default:
         notes.append("Mooncake timestamps read as milliseconds (the FAST'25 convention); "
-                     "pass time_unit='s' if they are seconds")
+                     "pass --time-unit s if they are seconds")
     block_trie: dict[int, dict] = {}
     requests = []
     for row, arrival_s in zip(rows, arrivals_s):
@@ -325,9 +341,11 @@ def _azure_frame(text: str, source: str):
                                             text.splitlines()[line_no - 1]) from None
     except pd.errors.EmptyDataError:
         raise TraceError(f"{source}: trace has no requests") from None
-    for column in _AZURE_COLUMNS:
-        if column not in frame.columns:
-            raise _Where(source, 1).error(f"missing column {column!r}", ",".join(frame.columns))
+    missing = [column for column in _AZURE_COLUMNS if column not in frame.columns]
+    if missing:
+        raise _Where(source, 1).error(
+            f"a CSV trace is an Azure LLM inference trace with the columns {', '.join(_AZURE_COLUMNS)}; "
+            f"missing {', '.join(missing)} in the header", ",".join(frame.columns))
     is_blank = (frame[list(_AZURE_COLUMNS)] == "").all(axis=1)
     return frame[~is_blank]
 

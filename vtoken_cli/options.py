@@ -12,13 +12,15 @@ from typing import Annotated, Optional
 
 import typer
 
+from vtoken import defaults
 from vtoken.engine import EvictionConfig, RunConfig, SimProfile
+from vtoken.engine.config import VARIANTS
 from vtoken.engine.sim import load_sim_profile
 from vtoken.errors import ConfigError
-from vtoken.hardware import GPUS, num_blocks_for_gpu, resolve_gpu
+from vtoken.hardware import GPUS, GpuSpec, num_blocks_for_gpu, resolve_gpu
 from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
-from vtoken.model_spec import MODELS, resolve_model
-from vtoken.policies import POLICIES
+from vtoken.model_spec import MODELS, ModelSpec, resolve_model
+from vtoken.policies import POLICIES, resolve_policy_name
 from vtoken.policies import base as policy_base
 from vtoken.trace import TRACE_FORMATS
 
@@ -71,6 +73,84 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
+# The largest --num-blocks when the GPU gives no bound (the model does not fit on it, so the
+# budget is a what-if): the block pool allocates about 170 bytes of state per block up front,
+# so 2**24 blocks is about 2.9 GB of host memory, and more than any catalog GPU holds for any
+# catalog model at 16 tokens a block.
+MAX_NUM_BLOCKS = 2**24
+
+
+def check_seed(seed: int | None) -> None:
+    """`--seed` seeds numpy's generators, which take only non-negative integers."""
+    if seed is not None and seed < 0:
+        raise ConfigError(f"--seed must be an integer >= 0, got {seed}")
+
+
+def parse_budget(text: str, num_sink_tokens: int = defaults.NUM_SINK_TOKENS,
+                 num_recent_tokens: int = defaults.NUM_RECENT_TOKENS) -> policy_base.Budget:
+    """`--budget`: a ratio, or a count that covers the protected sinks and recent tokens."""
+    budget = policy_base.Budget.parse(text, num_sink_tokens, num_recent_tokens, where="--budget")
+    return budget.require_count_covers_protected("--budget")
+
+
+def resolve_policies(names: list[str] | tuple[str, ...], flag: str = "--policy") -> tuple[str, ...]:
+    """The registry's names for the policies a flag gave, read loosely ("H2O", "streaming-llm")."""
+    try:
+        return tuple(resolve_policy_name(name) for name in names)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def check_num_blocks(num_blocks: int | None, model: ModelSpec | None = None, gpu: GpuSpec | None = None,
+                     gpu_mem_util: float = 1.0, block_size: int = 16) -> None:
+    """`--num-blocks`: > 0, and at most what `gpu` holds of `model`'s KV at `gpu_mem_util` (when
+    the model fits on it), else at most MAX_NUM_BLOCKS."""
+    if num_blocks is None:
+        return
+    if num_blocks <= 0:
+        raise ConfigError(f"--num-blocks must be > 0, got {num_blocks}")
+    if model is not None and gpu is not None:
+        try:
+            capacity = num_blocks_for_gpu(model, gpu, gpu_mem_util, block_size)
+        except ConfigError:
+            capacity = None
+        if capacity is not None and num_blocks > capacity:
+            raise ConfigError(f"--num-blocks {num_blocks} is more than {gpu.name} holds for {model.name}: "
+                              f"{capacity} blocks of {block_size} tokens at --gpu-mem-util {gpu_mem_util:g}")
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise ConfigError(f"--num-blocks {num_blocks} is more than {MAX_NUM_BLOCKS} (2**24), the most vtoken "
+                          "replays: the block pool takes about 170 bytes per block up front")
+
+
+def check_flags(*, seed: int | None = None, num_blocks: int | None = None, budget: str | None = None) -> None:
+    """The flags a command hands on to a library that resolves them itself (audit): `--seed`,
+    `--num-blocks` (against MAX_NUM_BLOCKS; the library knows the GPU) and `--budget`."""
+    check_seed(seed)
+    check_num_blocks(num_blocks)
+    if budget is not None:
+        parse_budget(budget)
+
+
+def check_serve_flags(*, variant: str, budget: str, sink_tokens: int, recent_tokens: int, theta_f: float) -> None:
+    """`vtoken serve`'s vToken flags, named as the user wrote them (the vLLM settings they become
+    name the additional_config keys instead)."""
+    if variant not in VARIANTS:
+        raise ConfigError(f"--variant: unknown variant '{variant}'; choose one of: {', '.join(VARIANTS)}")
+    for flag, num_tokens in (("--sink-tokens", sink_tokens), ("--recent-tokens", recent_tokens)):
+        if num_tokens < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {num_tokens}")
+    parse_budget(budget, sink_tokens, recent_tokens)
+    if not 0 < theta_f < 1:
+        raise ConfigError(f"--theta-f must be in (0, 1), got {theta_f:g}")
+
+
+def check_positive(values: dict[str, int | None]) -> None:
+    """Each flag -> value given must be > 0 (None: not given)."""
+    for flag, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+
+
 def build_run_config(
     *,
     model: str,
@@ -88,21 +168,28 @@ def build_run_config(
     sim_profile: Path | None,
     reclaim_budget: int | None = None,
 ) -> RunConfig:
+    """The `RunConfig` of a command's flags; every bad flag is a ConfigError that names it."""
     if block_size <= 0:
         raise ConfigError(f"--block-size must be > 0, got {block_size}")
+    if not 0 < gpu_mem_util <= 1:
+        raise ConfigError(f"--gpu-mem-util must be in (0, 1], got {gpu_mem_util:g}")
+    if not 0 < theta_f < 1:
+        raise ConfigError(f"--theta-f must be in (0, 1), got {theta_f:g}")
+    check_seed(seed)
+    check_positive({"--eviction-interval": eviction_interval, "--concurrency": concurrency,
+                    "--reclaim-budget": reclaim_budget})
     model_spec = resolve_model(model)
     gpu_spec = resolve_gpu(gpu)
+    check_num_blocks(num_blocks, model_spec, gpu_spec, gpu_mem_util, block_size)
     if num_blocks is None:
         num_blocks = num_blocks_for_gpu(model_spec, gpu_spec, gpu_mem_util, block_size)
-    elif num_blocks <= 0:
-        raise ConfigError(f"--num-blocks must be > 0, got {num_blocks}")
     return RunConfig(
         variant="vtoken",
         model=model_spec,
         gpu=gpu_spec,
         num_blocks=num_blocks,
         block_size=block_size,
-        eviction=EvictionConfig(policy, policy_base.Budget.parse(budget), eviction_interval),
+        eviction=EvictionConfig(resolve_policies([policy])[0], parse_budget(budget), eviction_interval),
         reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f, max_moves_per_round=reclaim_budget),
         concurrency=concurrency,
         seed=seed,

@@ -26,11 +26,24 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 DEFAULT_AUDIT_POLICIES = ("h2o", "streaming_llm", "scissorhands", "random")
 
 
+def resolve_policy_name(name: str) -> str:
+    """The registry's name for `name`, read loosely: case, '-', '_' and spaces do not count
+    ("H2O", "streamingllm", "Streaming-LLM" all match). Raises ConfigError for an unknown name."""
+    wanted = _loose(name)
+    for registered in POLICIES:
+        if _loose(registered) == wanted:
+            return registered
+    raise ConfigError(f"unknown policy '{name}'; choose one of: {', '.join(POLICIES)}")
+
+
 def make_policy(name: str, seed: int = 0) -> EvictionPolicy:
-    """Build the registered policy `name`; raises ConfigError for an unknown name."""
-    if name not in POLICIES:
-        raise ConfigError(f"unknown policy '{name}'; choose one of: {', '.join(POLICIES)}")
-    return POLICIES[name](seed=seed)
+    """Build the registered policy `name` (read as `resolve_policy_name` does); raises
+    ConfigError for an unknown name."""
+    return POLICIES[resolve_policy_name(name)](seed=seed)
+
+
+def _loose(name: str) -> str:
+    return "".join(char for char in name.lower() if char not in "-_ ")
 
 
 __all__ = [
@@ -45,6 +58,7 @@ __all__ = [
     "StreamingLLM",
     "TOVA",
     "make_policy",
+    "resolve_policy_name",
     "num_victims",
     "protected_mask",
 ]

@@ -68,16 +68,34 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str, num_sink_tokens: int = defaults.NUM_SINK_TOKENS,
-              num_recent_tokens: int = defaults.NUM_RECENT_TOKENS) -> Budget:
-        """Read a CLI budget: '50%' or '0.5' is a keep ratio, '512' a token count; raises ConfigError."""
+              num_recent_tokens: int = defaults.NUM_RECENT_TOKENS, *, where: str = "budget") -> Budget:
+        """Read a user's budget: '50%' or '0.5' is a keep ratio, '512' a token count; raises
+        ConfigError for any other form, its message starting with `where` (the flag or key the
+        text came from)."""
         stripped = text.strip()
         protected = {"num_sink_tokens": num_sink_tokens, "num_recent_tokens": num_recent_tokens}
         if _COUNT_PATTERN.fullmatch(stripped) and int(stripped) > 0:
             return cls(num_tokens=int(stripped), **protected)
         keep_ratio = _parse_keep_ratio(stripped)
         if keep_ratio is None or not 0.0 < keep_ratio <= 1.0:
-            raise ConfigError(f"budget must be {_BUDGET_FORMS}, above 0 and at most 100%, got '{text}'")
+            raise ConfigError(f"{where} must be {_BUDGET_FORMS}, above 0 and at most 100%, got '{text}'")
         return cls(keep_ratio=keep_ratio, **protected)
+
+    @property
+    def num_protected_tokens(self) -> int:
+        return self.num_sink_tokens + self.num_recent_tokens
+
+    def require_count_covers_protected(self, where: str = "budget") -> Budget:
+        """This budget, or ConfigError when it is a count below the protected tokens (sinks +
+        recent): such a budget keeps sinks + recent tokens, not what it says. Budgets built
+        directly with such a count stay valid (the fuzz scenarios draw them); user input is
+        checked here, the message starting with `where`."""
+        if self.num_tokens is not None and self.num_tokens < self.num_protected_tokens:
+            raise ConfigError(
+                f"{where} {self.num_tokens} is below the {self.num_protected_tokens} tokens no policy evicts "
+                f"({self.num_sink_tokens} sinks + {self.num_recent_tokens} recent): give at least "
+                f"{self.num_protected_tokens} tokens or a ratio")
+        return self
 
     def describe(self) -> str:
         """One line for tables and logs, e.g. 'keep 50% (4 sinks, 64 recent)'."""

@@ -22,10 +22,12 @@ from vtoken.audit import (
     report_to_json,
 )
 from vtoken.errors import ConfigError
+from vtoken.measured import require_measured_audit
 from vtoken.policies import DEFAULT_AUDIT_POLICIES
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     GPU_NAMES, MODEL_NAMES, POLICY_NAMES, TRACE_FORMAT_NAMES, Force, JsonOut, MaxRequests, Output, TimeUnit,
+    check_flags, resolve_policies,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.audit import audit_report, deployment_report
@@ -71,11 +73,12 @@ def audit_command(
     memory and what vToken recovers."""
     if model is not None and model_config is not None:
         raise ConfigError("give --model or --model-config, not both")
+    check_flags(seed=seed, num_blocks=num_blocks, budget=budget)
     if output is not None:
         check_output_dir(output, force)
     overrides = Overrides(
         model=str(model_config) if model_config is not None else model, gpu=gpu, block_size=block_size,
-        num_gpu_blocks=num_blocks, policies=tuple(policy) if policy else None, budget=budget, trace=trace,
+        num_gpu_blocks=num_blocks, policies=resolve_policies(policy) if policy else None, budget=budget, trace=trace,
         trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
         frontier_max_concurrency=frontier_max, timeout_s=timeout, window_s=window, seed=seed,
     )
@@ -83,11 +86,11 @@ def audit_command(
         task = bar.add_task("reading the deployment", total=None)
         result = audit_deployment(deployments, overrides, lambda stage, done, total: bar.update(
             task, completed=done, total=total, description=stage))
+    require_measured_audit(result)
     is_one = len(result.replicas) == 1 and not result.failures
     payload = report_to_json(result.replicas[0]) if is_one else deployment_to_json(result)
     if output is not None:
         write_output_dir(output, _writers(result, payload), force)
-        stderr.print(f"wrote {output}/ (report.json, policies.csv, histogram_<policy>.png)", highlight=False)
     if json_out:
         typer.echo(json.dumps(payload, indent=2))
     else:

@@ -19,12 +19,13 @@ from vtoken import defaults
 from vtoken.checker.names import FAULT_DETECTED_BY, FAULT_KINDS, HF_LIMITS, PRESSURE, TraceLimits, default_limits
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES
+from vtoken.measured import require_measured_check
 from vtoken.policies import DEFAULT_AUDIT_POLICIES
 from vtoken.trace import load_trace
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     EXECUTORS, MODEL_NAMES, POLICY_NAMES, RECLAIM_MODE_NAMES, Budget, Concurrency, EvictionInterval, Force, Gpu, JsonOut,
-    Output, Seed, ThetaF, TraceFormat, build_run_config,
+    Output, Seed, ThetaF, TraceFormat, build_run_config, resolve_policies,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.check import check_report
@@ -112,10 +113,10 @@ def check_command(
         report = check_invariants(traces, config, options,
                                   lambda stage, n: bar.update(task, advance=n, description=stage), model=model,
                                   on_status=lambda message: stderr.print(message, highlight=False))
+    require_measured_check(report)
     payload = report_to_json(report)
     if output is not None:
         write_output_dir(output, _writers(payload), force)
-        stderr.print(f"wrote {output}/ (report.json, runs.csv)", highlight=False)
     if json_out:
         typer.echo(json.dumps(payload, indent=2))
     else:
@@ -134,7 +135,7 @@ def _limit(value: int | None, default: int | None) -> int | None:
 def parse_policies(text: str) -> tuple[str, ...]:
     if text.strip() == "all":
         return DEFAULT_AUDIT_POLICIES
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    return resolve_policies([part.strip() for part in text.split(",") if part.strip()])
 
 
 def _reclaim_modes(text: str) -> tuple[str, ...]:

@@ -16,8 +16,9 @@ import typer
 
 from vtoken import defaults
 from vtoken.compare import CompareOptions, compare, num_progress_units, report_to_json
+from vtoken.measured import require_measured_compare
 from vtoken.replay import make_replayer
-from vtoken.trace import load_trace
+from vtoken.trace import load_trace, within_context
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut, MaxRequests,
@@ -75,11 +76,13 @@ def compare_command(
         config = replace(config, concurrency=None)
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
                              sla_ref_concurrency, repeats, sweep, frontier)
-    loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests)
+    loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests),
+                            config.model.max_model_len)
     with progress_bar(stderr, 22) as bar:
         task = bar.add_task("replaying", total=num_progress_units(loaded, options, replayer))
         report = compare(loaded, config, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
                          num_blocks=num_blocks)
+    require_measured_compare(report)
     payload = report_to_json(report)
     if output is not None:
         write_output_dir(output, _writers(report, payload), force)
@@ -87,8 +90,6 @@ def compare_command(
         stdout.print_json(json.dumps(payload))
     else:
         stdout.print(hf_report(report, explain) if report.measured is not None else compare_report(report, explain))
-        if output is not None:
-            stdout.print(f"wrote {output}/ (report.json, variants.csv, sweep.csv, frontier.csv, *.png)")
 
 
 def _writers(report, payload: dict) -> list:

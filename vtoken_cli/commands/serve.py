@@ -11,7 +11,9 @@ from vtoken.engine.config import VARIANTS
 from vtoken.engine.vllm.serve import ServeOptions, run_server, serve_command, shell_line
 from vtoken.engine.vllm.settings import CONFIG_KEY, settings_from_additional_config
 from vtoken_cli.console import stderr, stdout
-from vtoken_cli.options import Budget, EvictionInterval, Policy, ReclaimMode, ThetaF
+from vtoken_cli.options import (
+    Budget, EvictionInterval, Policy, ReclaimMode, ThetaF, check_positive, check_serve_flags, resolve_policies,
+)
 
 
 def serve_command_line(
@@ -39,8 +41,12 @@ def serve_command_line(
     """Start vLLM's OpenAI-compatible server with vToken's scheduler and worker. Its /metrics
     carries vtoken_* metrics (waste ratio, live tokens, blocks reclaimed, tokens moved, ...),
     which `vtoken audit URL` reads."""
+    check_serve_flags(variant=variant, budget=budget, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                      theta_f=theta_f)
+    check_positive({"--kv-cache-bytes": kv_cache_bytes, "--num-blocks": num_blocks, "--max-model-len": max_model_len,
+                    "--max-num-seqs": max_num_seqs})
     settings = settings_from_additional_config({CONFIG_KEY: {
-        "variant": variant, "policy": policy, "budget": budget, "num_sink_tokens": sink_tokens,
+        "variant": variant, "policy": resolve_policies([policy])[0], "budget": budget, "num_sink_tokens": sink_tokens,
         "num_recent_tokens": recent_tokens, "interval_tokens": eviction_interval,
         "reclaim_mode": reclaim_mode, "theta_f": theta_f,
     }})
