@@ -207,11 +207,11 @@ def test_num_blocks_llama_8b_on_h100():
 
 @pytest.mark.parametrize("gpu_mem_util", [0, -0.5, 1.01])
 def test_num_blocks_rejects_bad_memory_fraction(gpu_mem_util):
-    with pytest.raises(ConfigError, match=r"gpu_mem_util must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"GPU memory fraction \(vLLM's gpu_memory_utilization\) must be in \(0, 1\]"):
         num_blocks_for_gpu(MODELS["llama-3.1-8b"], GPUS["h100-80gb"], gpu_mem_util, 16)
 
 
 def test_num_blocks_when_the_weights_do_not_fit():
-    with pytest.raises(ConfigError, match=r"llama-3.1-70b does not fit on l40s at gpu_mem_util=0.9: "
+    with pytest.raises(ConfigError, match=r"llama-3.1-70b does not fit on l40s at a GPU memory fraction of 0.9: "
                                           r"40.5 GiB usable - 131.5 GiB weights - 2.0 GiB reserve"):
         num_blocks_for_gpu(MODELS["llama-3.1-70b"], GPUS["l40s"], 0.9, 16)

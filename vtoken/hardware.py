@@ -79,10 +79,12 @@ def num_blocks_for_gpu(
     """KV blocks that fit: floor((memory * gpu_mem_util - weights - reserve) / bytes per block).
 
     Raises ConfigError when gpu_mem_util is outside (0, 1], block_size is not positive, or the
-    weights and reserve leave no room for a single block.
+    weights and reserve leave no room for a single block. The messages name the quantities, not
+    this function's parameters: a CLI flag or a TOML key checks its own value first.
     """
     if not 0 < gpu_mem_util <= 1:
-        raise ConfigError(f"gpu_mem_util must be in (0, 1], got {gpu_mem_util!r}")
+        raise ConfigError(f"the GPU memory fraction (vLLM's gpu_memory_utilization) must be in (0, 1], "
+                          f"got {gpu_mem_util!r}")
     if block_size <= 0:
         raise ConfigError(f"block_size must be > 0, got {block_size!r}")
     budget_bytes = math.floor(gpu.memory_bytes * gpu_mem_util)
@@ -90,7 +92,7 @@ def num_blocks_for_gpu(
     num_blocks = kv_bytes // model.kv_bytes_per_block(block_size)
     if num_blocks <= 0:
         raise ConfigError(
-            f"{model.name} does not fit on {gpu.name} at gpu_mem_util={gpu_mem_util}: "
+            f"{model.name} does not fit on {gpu.name} at a GPU memory fraction of {gpu_mem_util}: "
             f"{budget_bytes / GiB:.1f} GiB usable - {model.weight_bytes / GiB:.1f} GiB weights "
             f"- {reserve_bytes / GiB:.1f} GiB reserve leaves {kv_bytes / GiB:.2f} GiB, "
             f"less than one {block_size}-token block ({model.kv_bytes_per_block(block_size) / MiB:.1f} MiB)"
