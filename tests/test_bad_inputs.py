@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -213,9 +214,17 @@ def test_force_replaces_a_directory_vtoken_wrote(scratch: Path):
     assert sorted(p.name for p in scratch.iterdir() if p.name.startswith(".")) == []  # no staging left behind
 
 
-def test_output_directories_get_the_umask_permissions(scratch: Path):
-    import os
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_read_only_parent_fails_before_any_work(scratch: Path):
+    (scratch / "locked").mkdir(mode=0o555)
+    before = listing(scratch)
+    result = runner.invoke(app, [*COMPARE, "--output", "locked/run"])
+    assert result.exit_code == 2 and result.stdout.strip() == ""
+    assert "--output locked/run: cannot create a directory in" in result.stderr
+    assert listing(scratch) == before
 
+
+def test_output_directories_get_the_umask_permissions(scratch: Path):
     previous = os.umask(0o022)
     try:
         result = runner.invoke(app, [*COMPARE, "--output", "run"])
