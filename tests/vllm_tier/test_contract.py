@@ -23,3 +23,9 @@ def test_private_names_exist():
     missing = contract.missing_names()
     assert not missing, ("vLLM names the vToken integration relies on are gone (update "
                          "vtoken/engine/vllm/ and contract.py):\n  " + "\n  ".join(missing))
+
+
+def test_the_plugin_hook_is_still_where_the_plugin_relies_on_it():
+    missing = contract.missing_source_texts()
+    assert not missing, ("vLLM code the vToken plugin relies on changed (update vtoken/engine/vllm/plugin.py "
+                         "and contract.py):\n  " + "\n  ".join(missing))

@@ -3,7 +3,8 @@
 `missing_names()` imports each module and looks each name up; a test fails with the list of
 what is gone, so an upgrade that breaks the integration says where before anything runs. The
 second list holds attributes of live objects (set in `__init__`), checked on a running engine
-with `missing_instance_names`.
+with `missing_instance_names`; the third, code the plugin's hook depends on, with
+`missing_source_texts`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ MODULE_NAMES: tuple[tuple[str, str], ...] = (
     ("vllm.v1.attention.backends.registry", "AttentionBackendEnum.CPU_ATTN"),
     ("vllm.v1.attention.selector", "_cached_get_attn_backend.cache_clear"),
     ("vllm._custom_ops", "cpu_attn_reshape_and_cache"),
+    # the plugin (plugin.py): vLLM loads the group, and the platform hook sees every new config
+    ("vllm.plugins", "DEFAULT_PLUGINS_GROUP"),
+    ("vllm.plugins", "load_general_plugins"),
+    ("vllm.platforms.interface", "Platform.check_and_update_config"),
+    ("vllm.config.scheduler", "SchedulerConfig.get_scheduler_cls"),
+    ("vllm.config.vllm", "VllmConfig.use_v2_model_runner"),
+)
+
+# What the plugin relies on beyond names: (module, function, text its source must contain).
+SOURCE_TEXTS: tuple[tuple[str, str, str], ...] = (
+    ("vllm.config.vllm", "VllmConfig.__post_init__", "current_platform.check_and_update_config(self)"),
+    ("vllm.engine.arg_utils", "EngineArgs.__post_init__", "load_general_plugins()"),
+    ("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", 'parallel_config.worker_cls == "auto"'),
+    ("vllm.platforms.cuda", "CudaPlatformBase.check_and_update_config", 'parallel_config.worker_cls == "auto"'),
 )
 
 # Attributes of live objects, checked on an engine: (what, dotted path from that object).
@@ -71,6 +86,35 @@ def missing_names() -> list[str]:
         except (ImportError, AttributeError) as exc:
             missing.append(f"{module_name}:{dotted} ({type(exc).__name__}: {exc})")
     return missing
+
+
+def missing_source_texts() -> list[str]:
+    """'module:function' for every entry of SOURCE_TEXTS whose source lacks its text. Read from
+    the file, not imported: the CUDA platform module does not import on a CPU build."""
+    missing = []
+    for module_name, dotted, text in SOURCE_TEXTS:
+        source = _function_source(module_name, dotted)
+        if source is None:
+            missing.append(f"{module_name}:{dotted} not found")
+        elif text not in source:
+            missing.append(f"{module_name}:{dotted} no longer contains {text!r}")
+    return missing
+
+
+def _function_source(module_name: str, dotted: str) -> str | None:
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return None
+    text = Path(spec.origin).read_text()
+    nodes: list[ast.AST] = [ast.parse(text)]
+    for part in dotted.split("."):
+        nodes = [n for parent in nodes for n in getattr(parent, "body", [])
+                 if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == part]
+    return ast.get_source_segment(text, nodes[0]) if nodes else None
 
 
 def missing_instance_names(objects: dict[str, object]) -> list[str]:

@@ -69,11 +69,16 @@ def build_llm(spec: EngineSpec, settings: VllmSettings, stock: bool = False, rec
     set_engine_env()
     from vllm import LLM
 
+    from vtoken.engine.vllm.plugin import RefusedAtStart
+
     kwargs = spec.llm_kwargs()
     if not stock:
         kwargs.update(scheduler_cls=SCHEDULER_CLS, worker_cls=WORKER_CLS,
                       additional_config={CONFIG_KEY: settings.to_dict()})
-    llm = LLM(**kwargs)
+    try:
+        llm = LLM(**kwargs)
+    except RefusedAtStart as refusal:  # the plugin's refusal, raised while vLLM builds its config
+        raise refusal.error from None
     if not stock:
         scheduler_of(llm).vtoken.record_events = record_events
     return llm

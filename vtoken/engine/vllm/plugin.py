@@ -1,0 +1,110 @@
+"""vToken as a vLLM general plugin: a plain vLLM launch with `--additional-config '{"vtoken": ...}'`.
+
+    python -m vllm.entrypoints.openai.api_server --model MODEL --block-size 32 \\
+        --no-enable-prefix-caching --enforce-eager --additional-config '{"vtoken": {"policy": "streaming_llm"}}'
+
+With vtoken installed, vLLM finds `register` in the entry-point group `vllm.general_plugins`
+(pyproject.toml) and calls it once in every vLLM process (`vllm/plugins/__init__.py`
+`load_general_plugins`; process 0 calls it from `EngineArgs.__post_init__`,
+`engine/arg_utils.py:906`, before the config exists). vLLM 0.32 hands a general plugin no
+config, and `scheduler_cls` / `worker_cls` are fixed in process 0 when `VllmConfig` is built,
+then travel with the config to the engine core and the workers. So `register` wraps the one
+per-process hook vLLM calls with the new config, the platform's `check_and_update_config`
+(`config/vllm.py:1991`, in `VllmConfig.__post_init__`; the hook's contract is to check the
+config and update it). The wrapper is set on the live `current_platform` object only; no
+vLLM file or class changes. Around the stock hook, when `additional_config` has a "vtoken" key:
+
+    before   scheduler_cls and worker_cls become vToken's (the platform fills in its worker
+             only when worker_cls is still "auto": platforms/cpu.py:343, platforms/cuda.py:328)
+    after    the settings are read and every setting vToken cannot run with is refused
+             (support.config_problems): the process exits with one line naming each setting;
+             a warning when vtoken_* metrics cannot reach the server's /metrics
+
+Without a "vtoken" key the wrapper calls the stock hook and changes nothing. The names relied
+on are in contract.py and the behaviour is tested in tests/vllm_tier/test_plugin.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from vtoken.engine.vllm.engine import SCHEDULER_CLS, WORKER_CLS
+from vtoken.engine.vllm.settings import CONFIG_KEY
+from vtoken.errors import ConfigError
+
+_STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
+_WRAPPED = "_vtoken_wrapped"
+_LOGGER = "vllm.plugins.vtoken"  # under "vllm": vLLM's log format and stream
+
+
+class RefusedAtStart(SystemExit):
+    """A configuration vToken cannot run with, found while vLLM builds its config.
+
+    A SystemExit so that a vLLM launch stops with the one line (exit code 1, no traceback);
+    in-process callers (engine.build_llm) raise the ConfigError it carries instead.
+    """
+
+    def __init__(self, error: ConfigError) -> None:
+        super().__init__(f"vtoken: {error}")
+        self.error = error
+
+
+def register() -> None:
+    """The entry point: wrap the platform's config hook in this process (once)."""
+    from vllm.platforms import current_platform
+
+    stock_hook = current_platform.check_and_update_config
+    if getattr(stock_hook, _WRAPPED, False):
+        return
+
+    def check_and_update_config(vllm_config) -> None:
+        enabled = is_enabled(vllm_config)
+        if enabled:
+            use_vtoken_classes(vllm_config)
+        stock_hook(vllm_config)
+        if enabled:
+            refuse_unsupported(vllm_config)
+            warn_if_metrics_stay_in_the_engine()
+
+    setattr(check_and_update_config, _WRAPPED, True)
+    current_platform.check_and_update_config = check_and_update_config
+
+
+def is_enabled(vllm_config) -> bool:
+    """Whether this config asks for vToken (`additional_config` has a "vtoken" key)."""
+    additional = vllm_config.additional_config
+    return isinstance(additional, dict) and CONFIG_KEY in additional
+
+
+def use_vtoken_classes(vllm_config) -> None:
+    """Point the config at vToken's scheduler and worker; refuse another custom class."""
+    scheduler_config, parallel_config = vllm_config.scheduler_config, vllm_config.parallel_config
+    if scheduler_config.scheduler_cls not in (None, SCHEDULER_CLS):
+        raise RefusedAtStart(ConfigError(
+            f"--scheduler-cls {scheduler_config.scheduler_cls} replaces vToken's scheduler; drop it"))
+    if parallel_config.worker_cls not in (*_STOCK_WORKERS, WORKER_CLS):
+        raise RefusedAtStart(ConfigError(f"--worker-cls {parallel_config.worker_cls} replaces vToken's worker; drop it"))
+    scheduler_config.scheduler_cls = SCHEDULER_CLS
+    parallel_config.worker_cls = WORKER_CLS
+
+
+def refuse_unsupported(vllm_config) -> None:
+    """RefusedAtStart for bad settings or a setting the variant cannot run with."""
+    from vtoken.engine.vllm.support import check_config
+
+    try:
+        check_config(vllm_config)
+    except ConfigError as error:
+        raise RefusedAtStart(error) from None
+
+
+def warn_if_metrics_stay_in_the_engine() -> None:
+    """vtoken_* metrics are written in the engine-core process; a server's `/metrics` (process
+    0) shows them only through prometheus_client's multiprocess directory, which must be set
+    before the server starts (prometheus_client reads it at import), so it is only named here."""
+    multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+    if multiprocess and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        logging.getLogger(_LOGGER).warning(
+            "vToken is on; its vtoken_* metrics reach /metrics only with PROMETHEUS_MULTIPROC_DIR set to an "
+            "empty directory: PROMETHEUS_MULTIPROC_DIR=$(mktemp -d) python -m vllm.entrypoints.openai.api_server ...")
