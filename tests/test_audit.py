@@ -90,7 +90,7 @@ def test_explicit_geometry_and_a_trace_next_to_the_toml() -> None:
     assert (model.num_layers, model.num_kv_heads, model.head_dim, model.dtype_bytes) == (4, 2, 64, 2)
     assert model.kv_bytes_per_token == 2 * 4 * 2 * 64 * 2
     assert model.num_params == 50_000_000
-    assert deployment.budget.num_tokens == 24 and deployment.interval_tokens == 4
+    assert deployment.budget.num_tokens == 80 and deployment.interval_tokens == 4
     assert deployment.workload.trace_path == DATA / "native.jsonl"
     assert not deployment.workload.is_bundled_sample
     assert len(load_workload(deployment.workload).requests) == 4
@@ -481,3 +481,14 @@ def test_credentials_never_appear_in_the_report() -> None:
 
     assert "s3cret" not in json.dumps(report_to_json(report))
     assert report.deployment.source == server.url
+
+
+def test_policy_names_in_a_deployment_file_are_read_loosely(tmp_path):
+    from vtoken.audit.deployment import resolve_deployment
+    from vtoken.audit.settings import Overrides
+
+    toml = (Path(__file__).parent / "data" / "audit_small.toml").read_text()
+    path = tmp_path / "deploy.toml"
+    path.write_text(toml.replace('["h2o", "streaming_llm"]', '["H2O", "Streaming-LLM"]'))
+    deployment, _ = resolve_deployment(str(path), Overrides())
+    assert deployment.policies == ("h2o", "streaming_llm")

@@ -34,6 +34,8 @@ SCRATCH_FILES = {
     "wrong.csv": "start,prompt,output\n1,2,3\n",
     "azure.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0,100,5\n2023-11-16 18:15:47.0,80,9\n",
     "deploy.toml": (DATA / "audit_small.toml").read_text(),
+    "low-budget.toml": (DATA / "audit_small.toml").read_text().replace('budget = "50%"', 'budget = "10"'),
+    "bad-policy.toml": (DATA / "audit_small.toml").read_text().replace('"streaming_llm"', '"lru"'),
 }
 
 FAST_COMPARE = ["--max-requests", "3", "--no-sweep", "--no-frontier"]
@@ -129,6 +131,9 @@ CASES = {
     "audit-concurrency": ([*AUDIT, "--concurrency", "0"], "--concurrency"),
     "audit-format": ([*AUDIT, "--format", "nope"], "'nope'"),
     "audit-missing-toml": (["audit", "missing.toml"], "missing.toml"),
+    "audit-toml-is-a-directory": (["audit", "mine"], "mine: is a directory"),
+    "audit-toml-budget-below-protected": (["audit", "low-budget.toml"], "eviction.budget 10 is below"),
+    "audit-toml-policy": (["audit", "bad-policy.toml"], "eviction.policies: unknown policy 'lru'"),
     "audit-missing-trace": ([*AUDIT, "--trace", "missing.jsonl"], "missing.jsonl"),
     "audit-output-cwd-forced": ([*AUDIT, "--output", ".", "--force"], "--output .: is the working directory"),
     "audit-output-file-forced": ([*AUDIT, "--output", "afile", "--force"], "--output afile: is a file"),

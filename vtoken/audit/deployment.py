@@ -41,7 +41,7 @@ from vtoken.endpoint import OLD_SERVER_HINT, LiveState, redact_url, scrape
 from vtoken.errors import ConfigError, EndpointError
 from vtoken.hardware import GiB, GpuSpec, num_blocks_for_gpu
 from vtoken.model_spec import DTYPE_BYTES, ModelSpec, resolve_model
-from vtoken.policies import DEFAULT_AUDIT_POLICIES
+from vtoken.policies import DEFAULT_AUDIT_POLICIES, resolve_policy_name
 from vtoken.policies.base import Budget
 from vtoken.trace import Trace, load_trace
 
@@ -117,6 +117,9 @@ def resolve_replicas(target: str, overrides: Overrides,
     if "://" in target:
         return _from_server(target, overrides, per_engine)
     path = Path(target)
+    if path.is_dir():
+        raise ConfigError(f"{target}: is a directory; DEPLOYMENT is a TOML file or the "
+                          "http:// or https:// URL of a vLLM server")
     if not path.is_file():
         raise ConfigError(f"{redact_url(target)}: no such file; DEPLOYMENT is a TOML file or the "
                           "http:// or https:// URL of a vLLM server")
@@ -240,7 +243,7 @@ def _build(s: Settings, live: LiveState | None, server: ServerWorkload | None = 
     num_blocks = _num_blocks(s, model, gpu, block_size, notes)
     if live is not None:
         notes += _kv_pool_notes(live, model, s)
-    policies = tuple(dict.fromkeys(s.policies or DEFAULT_AUDIT_POLICIES))
+    policies = tuple(dict.fromkeys(resolve_policy_name(p) for p in s.policies or DEFAULT_AUDIT_POLICIES))
     budget = parse_budget(s.budget or DEFAULT_BUDGET, _key(s, "eviction.budget", "--budget"))
     interval_tokens = s.interval_tokens or DEFAULT_INTERVAL_TOKENS
     return Deployment(

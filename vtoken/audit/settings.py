@@ -32,7 +32,7 @@ from typing import Any
 
 from vtoken.errors import ConfigError
 from vtoken.hardware import GpuSpec, resolve_gpu
-from vtoken.policies import POLICIES
+from vtoken.policies import POLICIES, resolve_policy_name
 from vtoken.policies.base import Budget
 from vtoken.trace import TIME_UNITS, TRACE_FORMATS
 
@@ -216,16 +216,19 @@ def check_policies(policies: Sequence[str], where: str) -> None:
     if not policies:
         raise ConfigError(f"{where}: give at least one policy ({', '.join(POLICIES)})")
     for name in policies:
-        if name not in POLICIES:
-            raise ConfigError(f"{where}: unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+        try:
+            resolve_policy_name(name)
+        except ConfigError:
+            raise ConfigError(f"{where}: unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None
 
 
 def parse_budget(text: str, where: str) -> Budget:
     """`Budget.parse`, with the ConfigError prefixed by `where` (a TOML key or a flag)."""
     try:
-        return Budget.parse(text)
+        return Budget.parse(text).require_count_covers_protected(where)
     except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        message = str(exc)
+        raise ConfigError(message if message.startswith(where) else f"{where}: {message}") from None
 
 
 def lookup_gpu(name: str, where: str) -> GpuSpec:
