@@ -4,14 +4,19 @@
     replayer.resolve(config, requests, num_blocks)   the block budget (None: the executor's
                                                      default) and the model geometry, once
     replayer.run_variants(config, requests, progress)  {variant: RunResult}
-    replayer.run(config, requests)                   one replay (sim: the sweep and frontier)
+    replayer.run(config, requests)                   one replay (sim: the frontier)
+    replayer.run_many(jobs, on_done)                 independent replays at once (sim: the headline
+                                                     runs, the sweep and repeats), on its runner
     replayer.measured                                what a real engine measured beyond the
                                                      results (MeasuredExtras), after run_variants
     replayer.supports_sweep / supports_frontier / supports_repeats
 
 The sim replays every distinct run once: `run` keys each replay by its full `RunConfig` and
 its requests, so the headline runs that repeat a sweep point (same variant, same concurrency)
-are reused. Importable without torch or vLLM; the engines are imported when they run.
+are reused. Its `runner` (vtoken.runners: serial, local processes or Ray) replays a batch in
+parallel and its `cache` (vtoken.cache) keeps results across runs; neither changes a result.
+The real engines run in this process and take neither. Importable without torch or vLLM; the
+engines are imported when they run.
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from vtoken.engine import VARIANTS, RunConfig, run_sim
+from vtoken.engine import VARIANTS, RunConfig
 from vtoken.engine.hf_compare import MeasuredExtras, hf_num_blocks, speed_from_results
 from vtoken.errors import ConfigError
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.metrics import RunResult
+from vtoken.runners import OnDone, ReplayJob, Runner, SerialRunner, replay_job
 from vtoken.trace import Request
+
+if TYPE_CHECKING:
+    from vtoken.cache import RunCache
 
 Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
 
@@ -52,23 +61,31 @@ class Replayer(Protocol):
         """The three variants on the same requests, same seed, same eviction decisions."""
 
     def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
-        """One replay of `config.variant` (the sweep's and the frontier's)."""
+        """One replay of `config.variant` (the frontier's)."""
+
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
+        """Independent replays, results in job order; `on_done(idx, result)` as job `idx` is done."""
 
     def notes(self) -> tuple[str, ...]:
         """What the report says about these replays (after `run_variants`)."""
 
 
 class SimReplayer:
-    """The cost model. Default budget: what the GPU leaves for the KV at `gpu_mem_util`."""
+    """The cost model. Default budget: what the GPU leaves for the KV at `gpu_mem_util`.
+    `runner`: where a batch of replays runs (default: this process); `cache`: results kept on
+    disk across runs (default: none)."""
 
     executor = "sim"
     supports_sweep = supports_frontier = supports_repeats = True
 
     def __init__(self, model: object | None = None, on_status: Callable[[str], None] | None = None,
-                 gpu_mem_util: float = GPU_MEM_UTIL) -> None:
+                 gpu_mem_util: float = GPU_MEM_UTIL, *, runner: Runner | None = None,
+                 cache: RunCache | None = None) -> None:
         self.gpu_mem_util = gpu_mem_util
+        self.runner = runner or SerialRunner()
+        self.cache = cache
         self.measured: MeasuredExtras | None = None
-        self._results: dict[tuple, RunResult] = {}  # (repr(config), requests) -> its result
+        self._results: dict[ReplayJob, RunResult] = {}  # every replay of this replayer, by what determines it
 
     def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
         if num_blocks is None:
@@ -76,27 +93,50 @@ class SimReplayer:
         return replace(config, num_blocks=num_blocks)
 
     def run_variants(self, config: RunConfig, requests: Sequence[Request],
-                     progress: Progress | None = None) -> dict[str, RunResult]:
-        results = {}
-        for variant in VARIANTS:
-            on_progress = (lambda n, v=variant: progress(v, n)) if progress else None
-            results[variant] = self.run(replace(config, variant=variant), requests, on_progress)
-        return results
+                     progress: Progress | None = None, variants: Sequence[str] = VARIANTS) -> dict[str, RunResult]:
+        jobs = [ReplayJob(replace(config, variant=v), tuple(requests)) for v in variants]
+        on_done = (lambda idx, result: progress(variants[idx], len(requests))) if progress else None
+        return dict(zip(variants, self.run_many(jobs, on_done)))
 
     def run(self, config: RunConfig, requests: Sequence[Request],
             on_progress: Callable[[int], None] | None = None) -> RunResult:
-        """One replay, or the result of the identical one already replayed (the sim is
-        deterministic: the same config and requests give the same result)."""
-        key = (repr(config), tuple(requests))
-        if key not in self._results:
-            self._results[key] = self._replay(config, requests, on_progress)
-        elif on_progress is not None:
-            on_progress(len(requests))
-        return self._results[key]
+        """One replay, or the result of the identical one already replayed or cached (the sim
+        is deterministic: the same config and requests give the same result). `on_progress`:
+        the number of requests, once it is done."""
+        on_done = (lambda idx, result: on_progress(len(requests))) if on_progress else None
+        return self.run_many([ReplayJob(config, tuple(requests))], on_done)[0]
 
-    def _replay(self, config: RunConfig, requests: Sequence[Request],
-                on_progress: Callable[[int], None] | None) -> RunResult:
-        return run_sim(config, requests, on_progress)
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
+        """Every distinct job neither replayed here yet nor cached goes to the runner, in one
+        batch; each result is kept (and cached) as it arrives, so an interrupted batch keeps
+        what finished. `on_done(idx, result)` for every index of `jobs`, duplicates included."""
+        indices: dict[ReplayJob, list[int]] = {}
+        for idx, job in enumerate(jobs):
+            indices.setdefault(job, []).append(idx)
+        missing = [job for job in indices if self._lookup(job) is None]
+        if on_done is not None:
+            for idx, job in enumerate(jobs):
+                if job in self._results:
+                    on_done(idx, self._results[job])
+
+        def store(missing_idx: int, result: RunResult) -> None:
+            job = missing[missing_idx]
+            self._results[job] = result
+            if self.cache is not None:
+                self.cache.put(job, result)
+            for idx in indices[job] if on_done is not None else ():
+                on_done(idx, result)
+
+        self.runner.map(replay_job, missing, store)
+        return [self._results[job] for job in jobs]
+
+    def _lookup(self, job: ReplayJob) -> RunResult | None:
+        """The result of `job` replayed here before, or else from the cache (then kept here)."""
+        if job not in self._results and self.cache is not None:
+            cached = self.cache.get(job)
+            if cached is not None:
+                self._results[job] = cached
+        return self._results.get(job)
 
     def notes(self) -> tuple[str, ...]:
         return ()
@@ -110,7 +150,9 @@ class HFReplayer:
     supports_sweep = supports_frontier = supports_repeats = False
 
     def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
-                 gpu_mem_util: float = GPU_MEM_UTIL) -> None:
+                 gpu_mem_util: float = GPU_MEM_UTIL, *, runner: Runner | None = None,
+                 cache: RunCache | None = None) -> None:
+        # `runner` and `cache` unused: the model runs in this process and every run is measured
         self._model = model
         self._on_status = on_status
         self.measured: MeasuredExtras | None = None
@@ -132,6 +174,9 @@ class HFReplayer:
 
         return run_hf(config, requests, self._loaded()).result
 
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
+        return SerialRunner().map(lambda job: self.run(job.config, job.requests), jobs, on_done)
+
     def notes(self) -> tuple[str, ...]:
         return (self.measured.notes if self.measured else ()) + (HF_SKIPPED_NOTE,)
 
@@ -146,16 +191,19 @@ class HFReplayer:
 
 
 class VllmReplayer:
-    """In-process vLLM engines, one per variant (`model`: a local model folder). Default
+    """In-process vLLM engines, one per variant (`model`: smollm2-135m or a local model folder). Default
     budget: enough blocks for `concurrency` full-length requests, plus vLLM's null block."""
 
     executor = "vllm"
     supports_sweep = supports_frontier = supports_repeats = False
 
     def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
-                 gpu_mem_util: float = GPU_MEM_UTIL, max_model_len: int = 2048) -> None:
+                 gpu_mem_util: float = GPU_MEM_UTIL, max_model_len: int = 2048, *, runner: Runner | None = None,
+                 cache: RunCache | None = None) -> None:
+        # `runner` and `cache` unused: the engines run in this process and every run is measured
         require_vllm()
         self._model = model
+        self._on_status = on_status
         self.max_model_len = max_model_len
         self.measured: MeasuredExtras | None = None
 
@@ -181,28 +229,33 @@ class VllmReplayer:
     def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
         raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
 
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
+        raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
+
     def notes(self) -> tuple[str, ...]:
         return (VLLM_SKIPPED_NOTE,)
 
     def _folder(self) -> Path:
-        folder = Path(str(self._model)).expanduser() if self._model is not None else None
-        if folder is None or not (folder / "config.json").is_file():
-            raise ConfigError(f"--executor vllm needs --model to be a local model folder with a config.json, "
-                              f"got {self._model!r}")
-        return folder
+        from vtoken.models import resolve_model_dir
+
+        if self._model is None:
+            raise ConfigError("--executor vllm needs --model: smollm2-135m or a local model folder")
+        return resolve_model_dir(str(self._model), self._on_status)
 
 
 REPLAYERS: dict[str, type] = {r.executor: r for r in (SimReplayer, HFReplayer, VllmReplayer)}
 
 
 def make_replayer(name: str, *, model: object | None = None, on_status: Callable[[str], None] | None = None,
-                  gpu_mem_util: float = GPU_MEM_UTIL) -> Replayer:
+                  gpu_mem_util: float = GPU_MEM_UTIL, runner: Runner | None = None,
+                  cache: RunCache | None = None) -> Replayer:
     """The replayer of executor `name`. `model`: sim: unused (the config's catalog model); hf:
-    a name, folder or LoadedModel; vllm: a folder. `on_status`: one-line messages while a
-    model loads. `gpu_mem_util`: the sim's default budget (the others size it for concurrency)."""
+    a name, folder or LoadedModel; vllm: a name or folder. `on_status`: one-line messages while a
+    model loads. `gpu_mem_util`: the sim's default budget (the others size it for concurrency).
+    `runner`, `cache`: where the sim's batches run and what it keeps (the real engines run here)."""
     if name not in REPLAYERS:
         raise ConfigError(f"unknown executor '{name}'; choose one of: {', '.join(REPLAYERS)}")
-    return REPLAYERS[name](model, on_status, gpu_mem_util=gpu_mem_util)
+    return REPLAYERS[name](model, on_status, gpu_mem_util=gpu_mem_util, runner=runner, cache=cache)
 
 
 def require_vllm() -> None:

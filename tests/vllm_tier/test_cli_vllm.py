@@ -82,4 +82,4 @@ def test_a_caught_fault_in_table_form_names_the_invariant_and_the_run():
 def test_check_invariants_on_vllm_needs_a_model_folder(tmp_path):
     result = runner.invoke(app, ["check-invariants", "--executor", "vllm", "--model", str(tmp_path / "nope")])
     assert result.exit_code == 2
-    assert "local model folder" in result.output
+    assert "not a folder with a config.json" in result.output

