@@ -6,25 +6,65 @@ Every command is wrapped in `console.one_line_errors` here, the single place whe
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import version
 from typing import Annotated
 
+import click
 import typer
+from typer.core import TyperGroup
+
+try:  # typer 0.2x parses with its own copy of click, whose exceptions are not click's
+    from typer._click import exceptions as _typer_click
+except ImportError:  # an older typer on click itself
+    _typer_click = click.exceptions
+
+_USAGE_ERRORS = (click.ClickException, _typer_click.ClickException)
+_NO_ARGS = (click.exceptions.NoArgsIsHelpError, _typer_click.NoArgsIsHelpError)
+_ABORT = (click.exceptions.Abort, getattr(_typer_click, "Abort", click.exceptions.Abort))
 
 from vtoken_cli.commands.audit import audit_command
 from vtoken_cli.commands.check import check_command
 from vtoken_cli.commands.compare import compare_command
 from vtoken_cli.commands.serve import serve_command_line
-from vtoken_cli.console import one_line_errors, stdout
+from vtoken_cli.commands.sweep import sweep_command
+from vtoken_cli.console import one_line_errors, stderr, stdout
 
 COMMANDS = {
     "audit": audit_command,
     "check-invariants": check_command,
     "compare": compare_command,
     "serve": serve_command_line,
+    "sweep": sweep_command,
 }
 
+
+
+class OneLineUsageErrors(TyperGroup):
+    """A usage error (a flag's value of the wrong type, an unknown flag or command, a missing
+    argument) is one line on stderr and exit code 2, as every other bad input is, instead of
+    click's usage box."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except _NO_ARGS as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except _USAGE_ERRORS as exc:
+            where = f" (see '{exc.ctx.command_path} -h')" if getattr(exc, "ctx", None) is not None else ""
+            stderr.print(f"[bold red]error:[/] {exc.format_message()}{where}", highlight=False)
+            sys.exit(exc.exit_code)
+        except _ABORT:
+            stderr.print("aborted", highlight=False)
+            sys.exit(130)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     name="vtoken",
     help="Measure the KV memory that token-level eviction traps in paged KV caches, and what vToken recovers.",
     no_args_is_help=True,
