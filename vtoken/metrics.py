@@ -11,6 +11,8 @@ Definitions (also printed by `vtoken compare --explain`):
 - throughput: output tokens / makespan (first arrival to last completion).
 - latency: per-request end-to-end (arrival to last token), TTFT (arrival to first token),
   TPOT ((end - first token) / (output tokens - 1), requests with more than one output token).
+- per-request records (`RunResult.requests`): arrival, first token and finish times, TTFT,
+  end-to-end, prompt and output tokens and preemptions of every finished request.
 - percentiles: numpy's linear interpolation between closest ranks ("linear" method).
 
 Samples are taken at the end of each iteration and weighted by the time until the next one:
@@ -20,10 +22,14 @@ the state the memory sits in during the next forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vtoken.kv.block_pool import NUM_HISTOGRAM_BINS, BlockPool, waste_ratio
+
+if TYPE_CHECKING:
+    from vtoken.trace import Request
 
 PERCENTILE_METHOD = "linear"
 MAX_TIMELINE_POINTS = 2000
@@ -42,6 +48,28 @@ class LatencyStats:
             return cls(float("nan"), float("nan"), float("nan"), float("nan"))
         p50, p95, p99 = np.percentile(values_s, [50, 95, 99], method=PERCENTILE_METHOD)
         return cls(float(p50), float(p95), float(p99), float(np.mean(values_s)))
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request. Times are seconds on the run's clock (simulated for the sim, wall
+    clock from the replay's start for vLLM); `arrival_s` is when it entered the engine."""
+
+    request_id: str
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int | None  # None: the executor does not count them per request (vLLM)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
 
 
 @dataclass(frozen=True)
@@ -132,6 +160,7 @@ class RunResult:
     num_decode_steps: int
     host_time_s: float
     timeline: Timeline = field(repr=False, compare=False)
+    requests: tuple[RequestRecord, ...] = field(default=(), repr=False, compare=False)  # in order of finish
 
     @classmethod
     def from_recording(cls, recorder: "Recorder", counters: RunCounters, *, variant: str, policy: str,
@@ -168,6 +197,7 @@ class RunResult:
             num_decode_steps=num_decode_steps,
             host_time_s=host_time_s,
             timeline=recorder.timeline(),
+            requests=tuple(recorder.finished),
         )
 
     def headline(self) -> dict[str, float]:
@@ -205,6 +235,7 @@ class Recorder:
         self._timeline: list[tuple[float, float, int, int, int]] = []
         self.peak_allocated_blocks = 0
         self.peak_trapped_bytes = 0.0
+        self.finished: list[RequestRecord] = []
         self.latencies_s: list[float] = []
         self.ttfts_s: list[float] = []
         self.tpots_s: list[float] = []
@@ -240,7 +271,12 @@ class Recorder:
             self._sums += duration_s * values
             self._weighted_histogram += duration_s * fractions
 
-    def record_finish(self, arrival_s: float, first_token_s: float, finish_s: float, num_output_tokens: int) -> None:
+    def record_finish(self, request: Request, arrival_s: float, first_token_s: float, finish_s: float, *,
+                      num_preemptions: int | None) -> None:
+        """`request` finished at `finish_s`; `num_preemptions` None where the executor does not count them."""
+        num_output_tokens = request.num_output_tokens
+        self.finished.append(RequestRecord(request.request_id, arrival_s, first_token_s, finish_s,
+                                           request.num_prompt_tokens, num_output_tokens, num_preemptions))
         self.latencies_s.append(finish_s - arrival_s)
         self.ttfts_s.append(first_token_s - arrival_s)
         if num_output_tokens > 1:

@@ -218,7 +218,8 @@ class Runtime:
         self.observer.on_synced(table, num_tokens_before)
 
     def _finish(self, state: ReqState) -> None:
-        self.recorder.record_finish(state.arrival_s, state.first_token_s, self.now_s, state.request.num_output_tokens)
+        self.recorder.record_finish(state.request, state.arrival_s, state.first_token_s, self.now_s,
+                                    num_preemptions=state.num_preemptions)
         self._leave(state)
         self.scheduler.finish(state, self.now_s)
         self.executor.forget(state.req_idx)

@@ -103,7 +103,8 @@ def replay(llm, config: RunConfig, requests: Sequence[Request], on_done: Callabl
                 in_flight[output.request_id] = (num_out, arrival_s, first_s)
             if output.finished:
                 del in_flight[output.request_id]
-                recorder.record_finish(arrival_s, first_s if first_s is not None else now_s, now_s, num_out)
+                recorder.record_finish(requests[int(output.request_id)], arrival_s,
+                                       first_s if first_s is not None else now_s, now_s, num_preemptions=None)
                 if on_done is not None:
                     on_done(1)
         recorder.sample(now_s, len(scheduler.vtoken.requests), held_memory(scheduler))
