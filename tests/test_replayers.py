@@ -18,6 +18,7 @@ from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.model_spec import resolve_model
 from vtoken.policies.base import Budget
 from vtoken.replay import REPLAYERS, HFReplayer, SimReplayer, make_replayer
+from vtoken.runners import SerialRunner
 from vtoken.trace import Request, Trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,16 +33,27 @@ def make_config(**overrides) -> RunConfig:
     return replace(config, **overrides)
 
 
-class CountingReplayer(SimReplayer):
-    """The sim replayer, counting the replays it really makes."""
+class CountingRunner(SerialRunner):
+    """The serial runner, counting the replays it really makes."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.replayed: list[tuple] = []  # (variant, concurrency, number of requests, all admitted at once)
 
-    def _replay(self, config, requests, on_progress):
-        self.replayed.append((config.variant, config.concurrency, len(requests), config.admit_all_at_start))
-        return super()._replay(config, requests, on_progress)
+    def map(self, func, jobs, on_done=None):
+        self.replayed += [(j.config.variant, j.config.concurrency, len(j.requests), j.config.admit_all_at_start)
+                          for j in jobs]
+        return super().map(func, jobs, on_done)
+
+
+class CountingReplayer(SimReplayer):
+    """The sim replayer on a counting runner."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(runner=CountingRunner(), **kwargs)
+
+    @property
+    def replayed(self) -> list[tuple]:
+        return self.runner.replayed
 
 
 def test_the_registry_names_every_executor() -> None:

@@ -9,6 +9,9 @@ the capacity frontier, and repeats with confidence intervals.
   request would have been preempted). `max_feasible_concurrency` is the largest C such that it
   and every smaller swept C are feasible.
 - Repeats: every headline figure over N seeds, mean and a 95% Student-t interval.
+
+The sweep's replays are independent and go to a replayer's `run_many` as one batch (local
+processes or Ray, vtoken.runners); the frontier's run one after the other through `replay`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from vtoken.engine import VARIANTS, RunConfig, run_sim
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
+from vtoken.runners import OnDone, ReplayJob, SerialRunner, replay_job
 from vtoken.trace import Request
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 12, 16, 22, 32, 48)
@@ -29,6 +33,7 @@ SLA_METRICS = {"e2e": "latency", "ttft": "ttft", "tpot": "tpot"}
 
 Progress = Callable[[str, int], None]  # (stage description, units done)
 Replay = Callable[[RunConfig, Sequence[Request]], RunResult]  # one replay; `run_sim` unless a replayer's
+RunMany = Callable[[Sequence[ReplayJob], OnDone | None], list[RunResult]]  # a batch of independent replays
 
 
 @dataclass(frozen=True)
@@ -86,17 +91,31 @@ def run_variants(base: RunConfig, requests: Sequence[Request], variants: Sequenc
 
 def sweep(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
           variants: Sequence[str] = VARIANTS, sla_metric: str = "e2e",
-          progress: Progress | None = None, *, replay: Replay = run_sim) -> list[SweepPoint]:
+          progress: Progress | None = None, *, run_many: RunMany | None = None) -> list[SweepPoint]:
+    """Every variant at every concurrency, closed loop. `run_many`: how the batch of replays
+    runs (a replayer's; default: one after the other in this process)."""
+    jobs = sweep_jobs(base, requests, concurrencies, variants)
+    on_done = (lambda idx, result: progress(f"sweep C={jobs[idx].config.concurrency}", 1)) if progress else None
+    results = run_many(jobs, on_done) if run_many else SerialRunner().map(replay_job, jobs, on_done)
+    return sweep_points(jobs, results, sla_metric)
+
+
+def sweep_jobs(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
+               variants: Sequence[str] = VARIANTS) -> list[ReplayJob]:
+    """The sweep's replays, concurrency-major: each variant at each concurrency."""
+    return [ReplayJob(replace(base, variant=variant, concurrency=concurrency), tuple(requests))
+            for concurrency in concurrencies for variant in variants]
+
+
+def sweep_points(jobs: Sequence[ReplayJob], results: Sequence[RunResult], sla_metric: str = "e2e") -> list[SweepPoint]:
+    """One point per sweep job and its result, with the p95 of `sla_metric`."""
     if sla_metric not in SLA_METRICS:
         raise ConfigError(f"unknown SLA metric '{sla_metric}'; choose one of: {', '.join(SLA_METRICS)}")
     points = []
-    for concurrency in concurrencies:
-        for variant in variants:
-            result = replay(replace(base, variant=variant, concurrency=concurrency), requests)
-            latency = getattr(result, SLA_METRICS[sla_metric])
-            points.append(SweepPoint(variant, concurrency, result.throughput_tok_s, latency.p95_s, result.preemptions))
-            if progress:
-                progress(f"sweep C={concurrency}", 1)
+    for job, result in zip(jobs, results, strict=True):
+        latency = getattr(result, SLA_METRICS[sla_metric])
+        points.append(SweepPoint(job.config.variant, job.config.concurrency, result.throughput_tok_s, latency.p95_s,
+                                 result.preemptions))
     return points
 
 

@@ -3,8 +3,11 @@ frontier and repeats over seeds, returned as one plain record.
 
     compare(trace, config, options, replayer, progress, num_blocks=None)
         replayer.resolve        the executor's block budget and model geometry (replay.py)
-        replayer.run_variants   per seed: native, naive-evict, vtoken
-        sweep, frontier         analysis.py, through `replayer.run` (identical runs reused)
+        replayer.run_many       the sim: every seed's variants and the sweep, one batch of
+                                independent replays (on the replayer's runner: local processes
+                                or Ray; identical runs reused, cached ones read back)
+        replayer.run_variants   a real engine (hf, vllm): native, naive-evict, vtoken
+        frontier                analysis.py, through `replayer.run`, one replay after another
 
 What the replayer does not support (hf and vllm: the sweep, the frontier, repeats) is skipped
 and noted; a real engine's measured extras (speed, quality, agreement) come with the report.
@@ -17,14 +20,17 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, interval, sla_selection,
-                             sweep)
+                             sweep_jobs, sweep_points)
 from vtoken.engine import VARIANTS, RunConfig
 from vtoken.engine.hf_compare import MeasuredExtras
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
 from vtoken.replay import Replayer
-from vtoken.trace import Trace
+from vtoken.runners import ReplayJob
+from vtoken.trace import Request, Trace
+
+NO_SLA_NOTE = "no SLA selection: --variants leaves out naive-evict, whose p95 sets the SLA"
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,10 @@ class CompareOptions:
     repeats: int = 1
     with_sweep: bool = True
     with_frontier: bool = True
+    variants: tuple[str, ...] = VARIANTS  # which run, in VARIANTS' order
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "variants", check_variants(self.variants))
         if self.repeats <= 0:
             raise ConfigError(f"--repeats must be > 0, got {self.repeats}")
         if not self.concurrencies or min(self.concurrencies) <= 0:
@@ -70,24 +78,58 @@ def compare(trace: Trace, config: RunConfig, options: CompareOptions, replayer: 
     requests = trace.requests
     options = supported_options(options, replayer)
     config = replayer.resolve(config, requests, num_blocks)
-    repeats = [replayer.run_variants(replace(config, seed=config.seed + i), requests, progress)
-               for i in range(options.repeats)]
+    variants = options.variants
+    if replayer.supports_sweep:  # the sim: independent replays, all of them in one batch
+        repeats, points = _headline_and_sweep(config, requests, options, replayer, progress)
+    else:  # a real engine runs the variants together (their outputs are compared)
+        repeats, points = [replayer.run_variants(config, requests, progress)], []
     headline_ci = {
         variant: {key: interval([r[variant].headline()[key] for r in repeats]) for key in repeats[0][variant].headline()}
-        for variant in VARIANTS
+        for variant in variants
     }
-    points: list[SweepPoint] = []
     sla = None
-    if options.with_sweep:
-        points = sweep(config, requests, options.sweep_concurrencies, VARIANTS, options.sla_metric, progress,
-                       replay=replayer.run)
+    notes = replayer.notes()
+    if points and "naive-evict" in variants:
         sla = sla_selection(points, options.sla_metric, options.sla_factor, options.reference_concurrency)
+    elif points:
+        notes += (NO_SLA_NOTE,)
     frontier_result = None
     if options.with_frontier:
-        frontier_result = frontier(config, requests, options.concurrencies, VARIANTS, progress, replay=replayer.run)
-    trace = replace(trace, notes=trace.notes + replayer.notes())
+        frontier_result = frontier(config, requests, options.concurrencies, variants, progress, replay=replayer.run)
+    trace = replace(trace, notes=trace.notes + notes)
     return CompareReport(trace, config, options, repeats[0], headline_ci, tuple(points), sla, frontier_result,
                          replayer.executor, replayer.measured)
+
+
+def _headline_and_sweep(config: RunConfig, requests: tuple[Request, ...], options: CompareOptions,
+                        replayer: Replayer, progress: Progress | None
+                        ) -> tuple[list[dict[str, RunResult]], list[SweepPoint]]:
+    """Every seed's variants and, with the sweep, every sweep point: one `run_many` batch."""
+    variants = options.variants
+    headline = [ReplayJob(replace(config, seed=config.seed + i, variant=v), requests)
+                for i in range(options.repeats) for v in variants]
+    swept = sweep_jobs(config, requests, options.sweep_concurrencies, variants) if options.with_sweep else []
+
+    def on_done(idx: int, result: RunResult) -> None:
+        if idx < len(headline):
+            progress(headline[idx].config.variant, len(requests))
+        else:
+            progress(f"sweep C={swept[idx - len(headline)].config.concurrency}", 1)
+
+    results = replayer.run_many(headline + swept, on_done if progress else None)
+    repeats = [dict(zip(variants, results[i * len(variants):(i + 1) * len(variants)])) for i in range(options.repeats)]
+    return repeats, sweep_points(swept, results[len(headline):], options.sla_metric)
+
+
+def check_variants(variants: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`--variants`: known names, each once, at least one; returned in VARIANTS' order."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"--variants: unknown variant '{unknown[0]}'; choose from: {', '.join(VARIANTS)}")
+    if not variants or len(set(variants)) != len(variants):
+        raise ConfigError(f"--variants: give each of {', '.join(VARIANTS)} at most once and at least one, "
+                          f"got {','.join(variants) or 'none'}")
+    return tuple(v for v in VARIANTS if v in variants)
 
 
 def supported_options(options: CompareOptions, replayer: Replayer) -> CompareOptions:
@@ -95,6 +137,9 @@ def supported_options(options: CompareOptions, replayer: Replayer) -> CompareOpt
     if options.repeats != 1 and not replayer.supports_repeats:
         raise ConfigError(f"--repeats applies to the sim executor; --executor {replayer.executor} runs once, "
                           f"got --repeats {options.repeats}")
+    if options.variants != VARIANTS and not replayer.supports_sweep:
+        raise ConfigError(f"--variants applies to the sim executor; --executor {replayer.executor} runs all three, "
+                          f"got --variants {','.join(options.variants)}")
     return replace(options, with_sweep=options.with_sweep and replayer.supports_sweep,
                    with_frontier=options.with_frontier and replayer.supports_frontier)
 
@@ -102,11 +147,12 @@ def supported_options(options: CompareOptions, replayer: Replayer) -> CompareOpt
 def num_progress_units(trace: Trace, options: CompareOptions, replayer: Replayer) -> int:
     """Progress units `compare` reports: completed requests, sweep points, frontier points."""
     options = supported_options(options, replayer)
-    units = options.repeats * len(VARIANTS) * len(trace.requests)
+    num_variants = len(options.variants)
+    units = options.repeats * num_variants * len(trace.requests)
     if options.with_sweep:
-        units += len(options.sweep_concurrencies) * len(VARIANTS)
+        units += len(options.sweep_concurrencies) * num_variants
     if options.with_frontier:
-        units += len(options.concurrencies) * len(VARIANTS)
+        units += len(options.concurrencies) * num_variants
     return units
 
 
@@ -115,15 +161,7 @@ def report_to_json(report: CompareReport) -> dict:
     cfg = report.config
     variants = {}
     for name, result in report.runs.items():
-        entry = {k: _num(v) for k, v in result.headline().items()}
-        entry["utilization_histogram"] = list(result.utilization_histogram)
-        entry["preemptions"] = result.preemptions
-        entry["tokens_moved"] = result.tokens_moved
-        entry["blocks_reclaimed"] = result.blocks_reclaimed
-        entry.update(relocation_events=result.relocation_events, tokens_evicted=result.tokens_evicted,
-                     peak_allocated_blocks=result.peak_allocated_blocks, num_completed=result.num_completed,
-                     num_skipped=len(result.skipped), makespan_s=_num(result.makespan_s),
-                     ttft_p50_s=_num(result.ttft.p50_s), tpot_p50_s=_num(result.tpot.p50_s))
+        entry = variant_to_json(result)
         if report.options.repeats > 1:
             entry["ci95"] = {k: [_num(i.low), _num(i.high)] for k, i in report.headline_ci[name].items()}
         variants[name] = entry
@@ -158,6 +196,20 @@ def report_to_json(report: CompareReport) -> dict:
             "block_demand": [asdict(p) for p in fr.points],
         }
     return make_json_safe(out)
+
+
+def variant_to_json(result: RunResult) -> dict:
+    """One variant's figures under `--json`'s "variants" (compare's, and each sweep point's)."""
+    entry = {k: _num(v) for k, v in result.headline().items()}
+    entry["utilization_histogram"] = list(result.utilization_histogram)
+    entry["preemptions"] = result.preemptions
+    entry["tokens_moved"] = result.tokens_moved
+    entry["blocks_reclaimed"] = result.blocks_reclaimed
+    entry.update(relocation_events=result.relocation_events, tokens_evicted=result.tokens_evicted,
+                 peak_allocated_blocks=result.peak_allocated_blocks, num_completed=result.num_completed,
+                 num_skipped=len(result.skipped), makespan_s=_num(result.makespan_s),
+                 ttft_p50_s=_num(result.ttft.p50_s), tpot_p50_s=_num(result.tpot.p50_s))
+    return entry
 
 
 def _num(value: float) -> float | None:

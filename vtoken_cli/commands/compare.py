@@ -15,14 +15,17 @@ from typing import Annotated, Optional
 import typer
 
 from vtoken import defaults
+from vtoken.engine import VARIANTS
 from vtoken.compare import CompareOptions, compare, num_progress_units, report_to_json
 from vtoken.measured import require_measured_compare
 from vtoken.replay import make_replayer
+from vtoken.runners import make_runner
 from vtoken.trace import load_trace, within_context
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    BlockSize, Budget, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut, MaxRequests,
-    Model, NumBlocks, Output, Policy, ReclaimMode, Seed, ThetaF, TimeUnit, TraceFormat, build_run_config, parse_int_list,
+    BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut,
+    MaxRequests, Model, NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit,
+    TraceFormat, Variants, Workers, build_cache, build_run_config, parse_int_list, parse_variants,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -60,11 +63,17 @@ def compare_command(
     output: Output = None,
     force: Force = False,
     explain: Annotated[bool, typer.Option(help="Print the definition of every metric.")] = False,
+    variants: Variants = ",".join(VARIANTS),
+    workers: Workers = None,
+    ray: RayAddress = None,
+    cache_dir: CacheDir = None,
+    no_cache: NoCache = False,
 ) -> None:
     """Replay TRACE with the three variants (native, naive-evict, vtoken) and compare memory
     waste, throughput, latency percentiles, SLA-feasible concurrency and the capacity frontier."""
     replayer = make_replayer(executor, model=model, gpu_mem_util=gpu_mem_util,
-                             on_status=lambda message: stderr.print(message, highlight=False))
+                             on_status=lambda message: stderr.print(message, highlight=False),
+                             runner=make_runner(workers, ray), cache=build_cache(cache_dir, no_cache))
     if output is not None:
         check_output_dir(output, force)
     config = build_run_config(
@@ -75,7 +84,7 @@ def compare_command(
     if open_loop:
         config = replace(config, concurrency=None)
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
-                             sla_ref_concurrency, repeats, sweep, frontier)
+                             sla_ref_concurrency, repeats, sweep, frontier, parse_variants(variants))
     loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests),
                             config.model.max_model_len)
     with progress_bar(stderr, 22) as bar:

@@ -1,0 +1,102 @@
+"""`vtoken sweep` through typer's CliRunner: --json equals the library's result, one factor at
+a time versus a grid, --output, and bad --vary values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from vtoken.replay import SimReplayer
+from vtoken.sweep import SweepOptions, Vary, report_to_json, sweep
+from vtoken.trace import load_trace
+from vtoken_cli.app import app
+from vtoken_cli.options import build_run_config, parse_budget
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "sample_traces" / "azure_conv_sample.csv"
+SMALL = ["--max-requests", "12", "--num-blocks", "400", "--concurrency", "4", "--workers", "1", "--no-cache"]
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["sweep", str(SAMPLE), *SMALL, *args])
+
+
+def test_json_equals_the_library_result() -> None:
+    result = invoke("--vary", "block_size=8,32", "--vary", "budget=25%,50%", "--variants", "naive-evict,vtoken",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    base = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=400, gpu_mem_util=0.9, block_size=16,
+                            policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
+                            concurrency=4, seed=0, sim_profile=None)
+    options = SweepOptions((Vary("block_size", (8, 32)), Vary("budget", (parse_budget("25%"), parse_budget("50%")))),
+                           variants=("naive-evict", "vtoken"))
+    report = sweep(load_trace(SAMPLE, max_requests=12), base, options, SimReplayer(), num_blocks=400)
+    assert printed == json.loads(json.dumps(report_to_json(report)))
+    assert [p["params"] for p in printed["points"]] == [
+        {"block_size": 8, "budget": "50%"}, {"block_size": 32, "budget": "50%"},
+        {"block_size": 16, "budget": "25%"}, {"block_size": 16, "budget": "50%"}]
+    assert all(set(p["variants"]) == {"naive-evict", "vtoken"} for p in printed["points"])
+    assert {"waste_ratio", "throughput_tok_s", "utilization_histogram", "tokens_moved"} <= set(
+        printed["points"][0]["variants"]["vtoken"])
+
+
+@pytest.mark.parametrize(("grid", "num_points"), [([], 3 + 2 - 1), (["--grid"], 3 * 2)])
+def test_one_factor_at_a_time_versus_a_grid(grid, num_points) -> None:
+    # one factor: theta_f 0.1, 0.25 (the base), 0.5 at the base interval, and interval 16, 32 (the
+    # base, a repeat of the theta_f=0.25 point) at the base theta_f
+    result = invoke("--vary", "theta_f=0.1,0.25,0.5", "--vary", "eviction_interval=16,32", "--variants", "vtoken",
+                    *grid, "--json")
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.stdout)["points"]
+    assert len(points) == num_points
+    assert len({tuple(p["params"].items()) for p in points}) == num_points
+
+
+def test_varying_the_gpu_resizes_the_budget_unless_it_is_given() -> None:
+    args = ["sweep", str(SAMPLE), "--max-requests", "6", "--workers", "1", "--no-cache", "--variants", "vtoken",
+            "--vary", "gpu=h100-80gb,l40s", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    blocks = [p["num_blocks"] for p in json.loads(result.stdout)["points"]]
+    assert blocks[0] > blocks[1] > 0
+
+
+def test_output_writes_a_csv_and_a_plot_per_key(tmp_path) -> None:
+    result = invoke("--vary", "block_size=8,16", "--vary", "policy=h2o,tova", "--variants", "vtoken",
+                    "--output", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == [".vtoken-output.json", "report.json", "sweep.csv", "sweep_block_size.png", "sweep_policy.png"]
+    assert (tmp_path / "out" / "sweep.csv").read_text().count("\n") == 1 + 3
+
+
+@pytest.mark.parametrize(("vary", "message"), [
+    ("size=8", "--vary: unknown key 'size'; choose one of: block_size, budget"),
+    ("block_size", "--vary block_size: expected KEY=V1,V2,..."),
+    ("block_size=8,x", "--vary block_size: 'x' is not a int"),
+    ("block_size=0", "--vary block_size=0: --block-size must be > 0, got 0"),
+    ("budget=lots", "--vary budget=lots:"),
+    ("policy=lru", "--vary policy=lru:"),
+    ("gpu=tpu", "--vary gpu=tpu:"),
+    ("block_size=8,8", "--vary block_size: 8 is given twice"),
+    ("block_size=", "--vary block_size: give at least one value"),
+])
+def test_a_bad_vary_is_one_line_and_exit_2(vary, message) -> None:
+    result = invoke("--vary", vary)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_the_same_key_twice_and_an_unknown_variant_are_refused() -> None:
+    result = invoke("--vary", "block_size=8", "--vary", "block_size=32")
+    assert result.exit_code == 2 and "--vary block_size: given twice" in result.stderr
+    result = invoke("--vary", "block_size=8", "--variants", "vtoken,fast")
+    assert result.exit_code == 2 and "--variants: unknown variant 'fast'" in result.stderr

@@ -1,0 +1,152 @@
+"""Where replays run and what is kept of them: serial, local processes and Ray give the same
+results; the on-disk cache is reused when nothing that determines a run changed, and missed
+when anything did."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from vtoken import cache as cache_module
+from vtoken.cache import RunCache, job_key
+from vtoken.compare import CompareOptions, compare, report_to_json
+from vtoken.engine.config import EvictionConfig
+from vtoken.engine.sim import SimProfile
+from vtoken.errors import ConfigError
+from vtoken.kv.reclaim import ReclaimConfig
+from vtoken.policies.base import Budget
+from vtoken.replay import SimReplayer
+from vtoken.runners import ProcessRunner, RayRunner, ReplayJob, SerialRunner, make_runner, replay_job
+from vtoken.trace import load_trace
+
+from test_replayers import REQUESTS, CountingRunner, make_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "sample_traces" / "azure_conv_sample.csv"
+OPTIONS = CompareOptions((2, 8), repeats=2)  # the headline at two seeds, a sweep at 2 and 8, a frontier
+
+
+def compare_json(runner) -> dict:
+    trace = load_trace(SAMPLE, max_requests=40)
+    config = make_config(num_blocks=600, concurrency=8)
+    report = compare(trace, config, OPTIONS, SimReplayer(runner=runner), num_blocks=600)
+    return json.loads(json.dumps(report_to_json(report)))
+
+
+@pytest.fixture(scope="module")
+def serial_json() -> dict:
+    return compare_json(SerialRunner())
+
+
+def test_two_worker_processes_give_the_serial_json(serial_json) -> None:
+    assert compare_json(ProcessRunner(2)) == serial_json
+
+
+@pytest.mark.timeout(240)
+def test_ray_on_a_local_cluster_gives_the_serial_json(serial_json) -> None:
+    ray = pytest.importorskip("ray")
+    try:
+        assert compare_json(RayRunner("local", num_cpus=2)) == serial_json  # starts it, on 127.0.0.1
+        assert [node["NodeManagerAddress"] for node in ray.nodes()] == ["127.0.0.1"]
+    finally:
+        ray.shutdown()
+
+
+def test_a_runner_returns_results_in_job_order_and_reports_each_job() -> None:
+    jobs = [ReplayJob(make_config(concurrency=c), REQUESTS) for c in (4, 1, 2)]
+    done: list[int] = []
+    results = ProcessRunner(2).map(replay_job, jobs, lambda idx, result: done.append(idx))
+    assert sorted(done) == [0, 1, 2]
+    without_host_time = [replace(r, host_time_s=0.0) for r in results]
+    assert without_host_time == [replace(replay_job(job), host_time_s=0.0) for job in jobs]
+
+
+def test_make_runner() -> None:
+    assert isinstance(make_runner(1), SerialRunner)
+    assert make_runner(2).workers == 2
+    with pytest.raises(ConfigError, match="--workers must be > 0, got 0"):
+        make_runner(0)
+
+
+def test_ray_missing_is_a_one_line_error(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ConfigError, match=r"^--ray needs Ray installed: pip install 'vtoken\[ray\]'"):
+        make_runner(None, "local")
+
+
+# ---- the cache ---------------------------------------------------------------------------------
+
+
+def cached_replayer(tmp_path: Path) -> SimReplayer:
+    return SimReplayer(runner=CountingRunner(), cache=RunCache(tmp_path))
+
+
+def test_a_second_compare_replays_nothing(tmp_path) -> None:
+    options = CompareOptions((1, 4))
+    first = cached_replayer(tmp_path)
+    report = compare(load_trace(SAMPLE, max_requests=12), make_config(), options, first, num_blocks=64)
+    assert len(first.runner.replayed) > 0
+    second = cached_replayer(tmp_path)
+    again = compare(load_trace(SAMPLE, max_requests=12), make_config(), options, second, num_blocks=64)
+    assert second.runner.replayed == []
+    assert report_to_json(again) == report_to_json(report)
+    assert [r.host_time_s for r in again.runs.values()] == [r.host_time_s for r in report.runs.values()]
+
+
+@pytest.mark.parametrize("change", [
+    lambda c, r: (replace(c, reclaim=replace(c.reclaim, theta_f=0.3)), r),
+    lambda c, r: (replace(c, eviction=replace(c.eviction, budget=Budget(keep_ratio=0.4))), r),
+    lambda c, r: (replace(c, seed=1), r),
+    lambda c, r: (replace(c, sim=replace(c.sim, overhead_s=0.003)), r),
+    lambda c, r: (c, (replace(r[0], num_output_tokens=r[0].num_output_tokens + 1), *r[1:])),
+    lambda c, r: (c, r[:-1]),
+], ids=["theta_f", "budget", "seed", "sim-profile", "a request", "a request fewer"])
+def test_anything_that_determines_a_run_misses_the_cache(tmp_path, change) -> None:
+    config = make_config()
+    cache = RunCache(tmp_path)
+    SimReplayer(cache=cache).run(config, REQUESTS)
+    replayer = SimReplayer(runner=CountingRunner(), cache=cache)
+    replayer.run(config, REQUESTS)
+    assert replayer.runner.replayed == []
+    changed_config, changed_requests = change(config, REQUESTS)
+    replayer.run(changed_config, changed_requests)
+    assert len(replayer.runner.replayed) == 1
+
+
+def test_the_key_covers_every_config_field_and_the_code(monkeypatch) -> None:
+    job = ReplayJob(make_config(), REQUESTS)
+    key = job_key(job)
+    assert job_key(ReplayJob(make_config(), tuple(REQUESTS))) == key
+    assert job_key(replace(job, config=replace(job.config, max_fused_steps=15))) != key
+    assert job_key(replace(job, config=replace(job.config, reclaim=ReclaimConfig(theta_f=0.05)))) != key
+    assert job_key(replace(job, config=replace(job.config, eviction=EvictionConfig("tova", Budget(keep_ratio=0.5), 8)))) != key
+    assert job_key(replace(job, config=replace(job.config, sim=SimProfile(sync_copy=True)))) != key
+    monkeypatch.setattr(cache_module, "code_fingerprint", lambda: "vtoken 0.1.0; numpy x; source edited")
+    assert job_key(job) != key
+
+
+def test_an_interrupted_batch_keeps_what_finished(tmp_path) -> None:
+    class FailingSecond(SerialRunner):
+        def map(self, func, jobs, on_done=None):
+            on_done(0, func(jobs[0]))
+            raise KeyboardInterrupt
+
+    jobs = [ReplayJob(make_config(concurrency=c), REQUESTS) for c in (1, 2)]
+    with pytest.raises(KeyboardInterrupt):
+        SimReplayer(runner=FailingSecond(), cache=RunCache(tmp_path)).run_many(jobs)
+    resumed = SimReplayer(runner=CountingRunner(), cache=RunCache(tmp_path))
+    resumed.run_many(jobs)
+    assert resumed.runner.replayed == [("vtoken", 2, len(REQUESTS), False)]
+
+
+def test_an_unreadable_entry_is_a_miss(tmp_path) -> None:
+    job = ReplayJob(make_config(), REQUESTS)
+    cache = RunCache(tmp_path)
+    cache.put(job, replay_job(job))
+    (path,) = tmp_path.rglob("*.pkl")
+    path.write_bytes(b"not a pickle")
+    assert cache.get(job) is None

@@ -1,0 +1,177 @@
+"""Where independent replays run: in this process, on local worker processes, or on a Ray cluster.
+
+    runner.map(func, jobs, on_done)    [func(job) for job in jobs], in job order; on_done(idx,
+                                       result) in this process as each one finishes
+    make_runner(workers, ray_address)  SerialRunner | ProcessRunner | RayRunner
+
+`func` must be a module-level function and every job picklable (a `ReplayJob` is: frozen
+dataclasses and tuples). Results do not depend on the runner: a replay is a pure function of
+its config and requests (the sim is seeded by the config), so serial, process and Ray runs give
+the same results; only the host time each replay measured differs.
+
+Worker processes are spawned, not forked: a forked child would inherit the parent's threads and
+locks (numpy's BLAS pool, a progress bar's refresh thread), and spawn behaves the same on Linux
+and macOS. A spawned worker imports vtoken once (about a second) and then takes jobs until the
+batch is done.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vtoken.engine import RunConfig, run_sim
+from vtoken.errors import ConfigError
+from vtoken.metrics import RunResult
+from vtoken.trace import Request
+
+OnDone = Callable[[int, Any], None]  # (index of the job that just finished, its result)
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local cluster stays on 127.0.0.1
+RAY_INSTALL_HINT = "pip install 'vtoken[ray]' (or pip install 'ray>=2')"
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """One sim replay: what determines it, and nothing else."""
+
+    config: RunConfig
+    requests: tuple[Request, ...]
+
+
+def replay_job(job: ReplayJob) -> RunResult:
+    """The sim replay of `job` (what every runner runs, in whatever process)."""
+    return run_sim(job.config, job.requests)
+
+
+class Runner(Protocol):
+    name: str
+
+    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
+        """`[func(job) for job in jobs]` in job order; `on_done(idx, result)` as job `idx` finishes."""
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class SerialRunner:
+    """Every job in this process, one after the other."""
+
+    name = "serial"
+
+    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
+        results = []
+        for idx, job in enumerate(jobs):
+            results.append(func(job))
+            if on_done is not None:
+                on_done(idx, results[-1])
+        return results
+
+
+class ProcessRunner:
+    """`workers` spawned local processes (never more than there are jobs); one job alone runs
+    in this process, where a worker's start-up would cost more than it saves."""
+
+    name = "processes"
+
+    def __init__(self, workers: int) -> None:
+        if workers <= 0:
+            raise ConfigError(f"--workers must be > 0, got {workers}")
+        self.workers = workers
+
+    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
+        if len(jobs) <= 1 or self.workers == 1:
+            return SerialRunner().map(func, jobs, on_done)
+        results: list[Any] = [None] * len(jobs)
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(self.workers, len(jobs)), mp_context=context) as pool:
+            pending = {pool.submit(func, job): idx for idx, job in enumerate(jobs)}
+            try:
+                while pending:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in sorted(done, key=pending.__getitem__):
+                        idx = pending.pop(future)
+                        results[idx] = future.result()
+                        if on_done is not None:
+                            on_done(idx, results[idx])
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                raise
+        return results
+
+
+class RayRunner:
+    """A Ray cluster: `address` of a running one (`auto`, `HOST:PORT`, `ray://HOST:PORT`), or
+    `local` to start one on this machine, bound to 127.0.0.1, with `num_cpus` CPUs (default:
+    the cores available). The cluster is joined (or started) at the first batch of more than
+    one job and left to Ray's own shutdown at exit; one job alone runs in this process. The
+    cluster's nodes need the same vtoken (and numpy) installed as this machine."""
+
+    name = "ray"
+
+    def __init__(self, address: str, num_cpus: int | None = None) -> None:
+        require_ray()
+        self.address = address
+        self.num_cpus = num_cpus
+
+    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
+        if len(jobs) <= 1:
+            return SerialRunner().map(func, jobs, on_done)
+        import ray
+
+        if not ray.is_initialized():
+            self._init(ray)
+        remote = ray.remote(func)
+        pending = {remote.remote(job): idx for idx, job in enumerate(jobs)}
+        results: list[Any] = [None] * len(jobs)
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    idx = pending.pop(ref)
+                    results[idx] = ray.get(ref)
+                    if on_done is not None:
+                        on_done(idx, results[idx])
+        except BaseException:
+            for ref in pending:
+                ray.cancel(ref)
+            raise
+        return results
+
+    def _init(self, ray) -> None:
+        if self.address == "local":
+            # Ray resolves 127.0.0.1 to the machine's reachable address unless it runs as a
+            # single-machine cluster (its switch for macOS and Windows): keep it on loopback.
+            os.environ[LOOPBACK_ONLY_ENV] = "0"
+            ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+            ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus or available_cores(),
+                     _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+            return
+        try:
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+        except ConnectionError as exc:
+            raise ConfigError(f"--ray {self.address}: no Ray cluster answered ({exc})") from None
+
+
+def require_ray() -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"--ray needs Ray installed: {RAY_INSTALL_HINT}") from None
+
+
+def make_runner(workers: int | None = None, ray_address: str | None = None) -> Runner:
+    """A Ray runner for `ray_address`; else `workers` local processes (None: the cores
+    available); a single worker is the serial runner."""
+    if ray_address is not None:
+        return RayRunner(ray_address, workers)
+    workers = available_cores() if workers is None else workers
+    if workers <= 0:
+        raise ConfigError(f"--workers must be > 0, got {workers}")
+    return SerialRunner() if workers == 1 else ProcessRunner(workers)

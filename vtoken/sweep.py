@@ -1,0 +1,183 @@
+"""`vtoken sweep TRACE --vary KEY=V1,V2,...`: the variants over a sweep of run parameters.
+
+    sweep(trace, base, options, replayer, progress, num_blocks=None) -> SweepReport
+
+One factor at a time (default): each varied key takes each of its values while every other key
+keeps the base config's value. Grid: every combination, the first key varying slowest. Points
+whose parameters coincide (a base value listed under two keys) are one point. Every point's
+variants are independent replays, sent to `replayer.run_many` as one batch (local processes or
+Ray, vtoken.runners; cached replays are read back).
+
+A point's block budget: its `num_blocks` when that key is varied, else `num_blocks`, else the
+replayer's default for the point's model, GPU and block size (what `compare` would use).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from vtoken.analysis import Progress
+from vtoken.compare import check_variants, variant_to_json
+from vtoken.engine import VARIANTS, RunConfig
+from vtoken.errors import ConfigError
+from vtoken.jsonsafe import make_json_safe
+from vtoken.metrics import RunResult
+from vtoken.policies.base import Budget
+from vtoken.replay import Replayer
+from vtoken.runners import ReplayJob
+from vtoken.trace import Trace
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """A run parameter a sweep can vary: how to read it from a config, set it, and write it."""
+
+    get: Callable[[RunConfig], object]
+    set: Callable[[RunConfig, object], RunConfig]
+    describe: Callable[[object], object] = lambda value: value  # a JSON-able value
+
+
+def _eviction(name: str) -> Callable[[RunConfig, object], RunConfig]:
+    return lambda c, v: replace(c, eviction=replace(c.eviction, **{name: v}))
+
+
+def _reclaim(name: str) -> Callable[[RunConfig, object], RunConfig]:
+    return lambda c, v: replace(c, reclaim=replace(c.reclaim, **{name: v}))
+
+
+PARAMETERS: dict[str, Parameter] = {
+    "block_size": Parameter(lambda c: c.block_size, lambda c, v: replace(c, block_size=v)),
+    "budget": Parameter(lambda c: c.eviction.budget, _eviction("budget"), lambda b: _budget_text(b)),
+    "theta_f": Parameter(lambda c: c.reclaim.theta_f, _reclaim("theta_f")),
+    "policy": Parameter(lambda c: c.eviction.policy, _eviction("policy")),
+    "eviction_interval": Parameter(lambda c: c.eviction.interval_tokens, _eviction("interval_tokens")),
+    "model": Parameter(lambda c: c.model, lambda c, v: replace(c, model=v), lambda m: m.name),
+    "gpu": Parameter(lambda c: c.gpu, lambda c, v: replace(c, gpu=v), lambda g: g.name),
+    "concurrency": Parameter(lambda c: c.concurrency, lambda c, v: replace(c, concurrency=v)),
+    "num_blocks": Parameter(lambda c: c.num_blocks, lambda c, v: replace(c, num_blocks=v)),
+    "reclaim_mode": Parameter(lambda c: c.reclaim.mode, _reclaim("mode")),
+}
+
+
+@dataclass(frozen=True)
+class Vary:
+    """One `--vary KEY=V1,V2,...`: a key of PARAMETERS and its values, parsed."""
+
+    key: str
+    values: tuple[object, ...]
+
+    def __post_init__(self) -> None:
+        if self.key not in PARAMETERS:
+            raise ConfigError(f"--vary: unknown key '{self.key}'; choose one of: {', '.join(PARAMETERS)}")
+        described = [PARAMETERS[self.key].describe(v) for v in self.values]
+        if not described:
+            raise ConfigError(f"--vary {self.key}: give at least one value")
+        repeated = [d for i, d in enumerate(described) if d in described[:i]]
+        if repeated:
+            raise ConfigError(f"--vary {self.key}: {repeated[0]} is given twice")
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    varies: tuple[Vary, ...]
+    is_grid: bool = False
+    variants: tuple[str, ...] = VARIANTS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variants", check_variants(self.variants))
+        keys = [v.key for v in self.varies]
+        if not keys:
+            raise ConfigError("vtoken sweep needs at least one --vary KEY=V1,V2,...")
+        repeated = [k for i, k in enumerate(keys) if k in keys[:i]]
+        if repeated:
+            raise ConfigError(f"--vary {repeated[0]}: given twice; list all its values in one --vary")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(v.key for v in self.varies)
+
+
+@dataclass(frozen=True)
+class SweepPointRuns:
+    params: dict[str, object]  # every varied key -> its value at this point, as `Parameter.describe` writes it
+    config: RunConfig  # the point's config (variant: the last one run), its block budget resolved
+    runs: dict[str, RunResult]  # variant -> result
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    trace: Trace
+    base: RunConfig
+    options: SweepOptions
+    points: tuple[SweepPointRuns, ...]
+
+    def along(self, key: str) -> tuple[SweepPointRuns, ...]:
+        """The points where only `key` moves: every other varied key at its anchor, the base
+        value (one factor at a time) or its first value (grid)."""
+        anchor = dict(self.points[0].params) if self.options.is_grid else {
+            k: PARAMETERS[k].describe(PARAMETERS[k].get(self.base)) for k in self.options.keys}
+        return tuple(p for p in self.points if all(p.params[k] == anchor[k] for k in self.options.keys if k != key))
+
+
+def point_settings(base: RunConfig, options: SweepOptions) -> list[dict[str, object]]:
+    """Every point's value of each varied key (parsed values), in sweep order, without repeats."""
+    base_values = {v.key: PARAMETERS[v.key].get(base) for v in options.varies}
+    if options.is_grid:
+        settings = [dict(zip(options.keys, combo)) for combo in itertools.product(*(v.values for v in options.varies))]
+    else:
+        settings = [{**base_values, vary.key: value} for vary in options.varies for value in vary.values]
+    unique: dict[tuple, dict[str, object]] = {}
+    for setting in settings:
+        unique.setdefault(tuple(_described(setting).items()), setting)
+    return list(unique.values())
+
+
+def num_points(base: RunConfig, options: SweepOptions) -> int:
+    return len(point_settings(base, options))
+
+
+def sweep(trace: Trace, base: RunConfig, options: SweepOptions, replayer: Replayer,
+          progress: Progress | None = None, *, num_blocks: int | None = None) -> SweepReport:
+    """Replay `trace` with `options.variants` at every point of the sweep (module docstring)."""
+    if not replayer.supports_sweep:
+        raise ConfigError(f"vtoken sweep runs on the sim executor, not {replayer.executor}")
+    requests = trace.requests
+    variants = options.variants
+    configs = []
+    for setting in point_settings(base, options):
+        config = base
+        for key, value in setting.items():
+            config = PARAMETERS[key].set(config, value)
+        configs.append(replayer.resolve(config, requests, setting.get("num_blocks", num_blocks)))
+    jobs = [ReplayJob(replace(c, variant=v), requests) for c in configs for v in variants]
+    on_done = (lambda idx, result: progress(f"point {idx // len(variants) + 1}/{len(configs)}", 1)) if progress else None
+    results = replayer.run_many(jobs, on_done)
+    points = []
+    for i, (setting, config) in enumerate(zip(point_settings(base, options), configs)):
+        runs = dict(zip(variants, results[i * len(variants):(i + 1) * len(variants)]))
+        points.append(SweepPointRuns(_described(setting), replace(config, variant=variants[-1]), runs))
+    return SweepReport(trace, base, options, tuple(points))
+
+
+def report_to_json(report: SweepReport) -> dict:
+    """The `--json` object: one point per configuration, its parameters and its variants'
+    figures (each as `compare --json` gives them under "variants")."""
+    return make_json_safe({
+        "trace": {"source": report.trace.source, "format": report.trace.format,
+                  "num_requests": len(report.trace.requests), "notes": list(report.trace.notes)},
+        "varied": list(report.options.keys),
+        "grid": report.options.is_grid,
+        "points": [{"params": dict(p.params), "num_blocks": p.config.num_blocks,
+                    "variants": {v: variant_to_json(r) for v, r in p.runs.items()}} for p in report.points],
+    })
+
+
+def _budget_text(budget: Budget) -> str:
+    """'50%' or '512': as `--budget` reads it (the protected tokens are not varied)."""
+    return f"{100 * budget.keep_ratio:g}%" if budget.keep_ratio is not None else str(budget.num_tokens)
+
+
+def _described(setting: dict[str, object]) -> dict[str, object]:
+    return {key: PARAMETERS[key].describe(value) for key, value in setting.items()}
