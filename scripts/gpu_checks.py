@@ -11,7 +11,11 @@ CUDA, no SmolLM2) is reported as skipped with the reason, never as passed.
                  destinations, byte for byte
 3. exactness     (vLLM) tiny Llama, fp16: native, naive-evict and vtoken (StreamingLLM, both
                  reclaim modes) against the transformers reference with the eviction mask
-4. speed         (vLLM + SmolLM2) benchmarks/bench_vllm.py at batch 4, fp16, block size 16
+4. plugin-launch (vLLM) a plain `python -m vllm.entrypoints.openai.api_server` with
+                 --additional-config '{"vtoken": ...}' (the vllm.general_plugins entry point; vtoken
+                 must be pip-installed): one completion, vtoken_* evictions at /metrics; and the same
+                 launch without --no-async-scheduling exits at start with the one `vtoken:` line
+5. speed         (vLLM + SmolLM2) benchmarks/bench_vllm.py at batch 4, fp16, block size 16
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -118,6 +125,92 @@ def check_exactness() -> dict:
             "note": "fp16 in vLLM against an fp32 reference: evicting variants must stay within 2x native's error"}
 
 
+PLUGIN_SETTINGS = {"budget": 48, "num_recent_tokens": 16, "interval_tokens": 8, "theta_f": 0.01}
+PLUGIN_START_TIMEOUT_S = 240
+
+
+def check_plugin_launch(out: Path) -> dict:
+    try:
+        import vllm  # noqa: F401
+        from importlib.metadata import entry_points
+
+        from vtoken.engine.vllm.tiny_model import make_tiny_llama
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"vLLM not importable: {exc}"}
+    if not any(e.name == "vtoken" for e in entry_points(group="vllm.general_plugins")):
+        return {"passed": False, "error": "no vllm.general_plugins entry point 'vtoken': pip install -e . first"}
+    model_dir = str(make_tiny_llama(Path("/tmp/vtoken-gpu-tiny")))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float16", "--block-size", "16", "--kv-cache-memory-bytes", str(64 << 20),
+            "--max-model-len", "1024", "--additional-config", json.dumps({"vtoken": PLUGIN_SETTINGS})]
+    flags = ["--enforce-eager", "--no-enable-prefix-caching", "--no-async-scheduling"]
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    refusal_code, refusal_stderr = _run_group(argv + flags[:2], env, timeout_s=180)
+    refusal = [line for line in refusal_stderr.splitlines() if line.startswith("vtoken: ")]
+    result = {"refusal_exit_code": refusal_code, "refusal": refusal[:1]}
+    with tempfile.TemporaryDirectory() as metrics_dir, open(out / "plugin_server.log", "wb") as log:
+        server = subprocess.Popen(argv + flags, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**env, "PROMETHEUS_MULTIPROC_DIR": metrics_dir})
+        try:
+            result.update(_one_completion_and_metrics(f"http://127.0.0.1:{port}", model_dir, server))
+        finally:
+            _stop_group(server)
+    result["passed"] = (refusal_code not in (0, None) and len(refusal) == 1 and "--no-async-scheduling" in refusal[0]
+                        and result.get("completion_tokens") == 40 and result.get("vtoken_tokens_evicted_total", 0) > 0)
+    return result
+
+
+def _run_group(argv: list[str], env: dict, timeout_s: float) -> tuple[int | None, str]:
+    """Run argv in its own process group; (exit code, stderr), code None when it ran past timeout_s."""
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        stderr = process.communicate(timeout=timeout_s)[1]
+        return process.returncode, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        return None, process.communicate()[1]
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group (the server and its engine core), SIGKILL after 60 s."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, None)):
+        if process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=wait_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def _one_completion_and_metrics(base_url: str, model: str, server: subprocess.Popen) -> dict:
+    deadline = time.monotonic() + PLUGIN_START_TIMEOUT_S
+    while True:
+        if server.poll() is not None:
+            return {"error": f"server exited with {server.returncode} (plugin_server.log)"}
+        try:
+            urllib.request.urlopen(f"{base_url}/health", timeout=2).read()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return {"error": f"server not healthy after {PLUGIN_START_TIMEOUT_S} s (plugin_server.log)"}
+            time.sleep(1)
+    body = json.dumps({"model": model, "prompt": "the quick brown fox jumps over the lazy dog " * 8, "max_tokens": 40,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{base_url}/v1/completions", body, {"Content-Type": "application/json"})
+    answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    metrics = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    evicted = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vtoken_tokens_evicted_total")]
+    return {"completion_tokens": answer["usage"]["completion_tokens"], "vtoken_tokens_evicted_total": sum(evicted),
+            "num_vtoken_lines": sum(line.startswith("vtoken_") for line in metrics.splitlines())}
+
+
 def check_speed(out: Path) -> dict:
     try:
         import vllm  # noqa: F401
@@ -143,14 +236,17 @@ def main() -> int:
     parser.add_argument("--skip-speed", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    checks = [("copy-layout", check_copy_layout), ("copy-kernel", check_copy_kernel), ("exactness", check_exactness),
+              ("plugin-launch", lambda: check_plugin_launch(args.out))]
+    if not args.skip_speed:
+        checks.append(("speed", lambda: check_speed(args.out)))
     if not torch.cuda.is_available():
+        for name, _ in checks:
+            print(f"SKIP {name}: no CUDA device")
         print("no CUDA device: nothing to check")
         return 2
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    checks = [("copy-layout", check_copy_layout), ("copy-kernel", check_copy_kernel), ("exactness", check_exactness)]
-    if not args.skip_speed:
-        checks.append(("speed", lambda: check_speed(args.out)))
     for name, check in checks:
         try:
             results[name] = check()

