@@ -16,7 +16,7 @@ from rich.text import Text
 
 from vtoken.errors import VTokenError
 
-stdout = Console(soft_wrap=True)
+stdout = Console()  # long lines wrap at the width (COLUMNS, else the terminal, else 80); print_json does not wrap
 stderr = Console(stderr=True, soft_wrap=True)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from vtoken.audit.deployment import Deployment
-from vtoken.audit.measurement import AUDIT_VARIANTS, PolicyAudit
+from vtoken.audit.measurement import AUDIT_VARIANTS, Capacity, PolicyAudit
 from vtoken.audit.workload import LengthDistribution, LengthStats
 from vtoken.endpoint import LiveState
 from vtoken.hardware import GiB
@@ -33,7 +33,9 @@ DEFINITIONS = (
     ("frac_blocks_le_half", "u <= 50%", "fraction of allocated blocks with at most half of their slots live"),
     ("trapped_bytes", "trapped", "naive-evict's (allocated blocks x S - live tokens) x KV bytes per token"),
     ("reclaimable_bytes", "reclaim", "max(0, trapped(naive-evict) - trapped(vtoken)); blocks: / KV bytes per block"),
-    ("room_for_more_requests", "room for", "floor(reclaimable blocks / vtoken's retained blocks per request)"),
+    ("room_for_more_requests", "room for", "max C(vtoken) - max C(naive-evict), from the per-variant table: the "
+                                           "more requests vToken fits all at once (+: at least; the search reached "
+                                           "its cap)"),
     ("retained_blocks_per_request", "blocks/req", "allocated blocks per resident request, per variant"),
     ("max_concurrency", "max C", "largest C <= the search cap whose C requests, all resident from t = 0, "
                                  "never need more blocks than the budget (analysis.frontier)"),
@@ -119,7 +121,16 @@ class DeploymentAudit:
         }
 
 
+def room_for_more(p: PolicyAudit) -> tuple[int, bool]:
+    """The one "room for N more concurrent requests" figure (DEFINITIONS): vtoken's max C minus
+    naive-evict's, and whether it is a lower bound (vtoken's search stopped at its cap)."""
+    after, before = p.capacity["vtoken"], p.capacity["naive-evict"]
+    return after.max_concurrency - before.max_concurrency, after.is_lower_bound
+
+
 def _figure(p: PolicyAudit, figure: str) -> float:
+    if figure == "room_for_more_requests":
+        return room_for_more(p)[0]
     return getattr(p, figure) if hasattr(p, figure) else getattr(p.evicted, figure)
 
 
@@ -144,14 +155,13 @@ def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveS
             f"{100 * run.frac_blocks_le_half:.0f}% of allocated blocks would sit at or below half full; "
             f"{_bytes_phrase(run.trapped_bytes)} trapped")
     if worst.reclaimable_blocks >= 1:
-        text += (f"; vToken frees {_bytes_phrase(worst.reclaimable_bytes)} ({worst.reclaimable_blocks:.0f} blocks), "
-                 f"room for {_count(worst.room_for_more_requests, 'more concurrent request')}.")
+        text += f"; vToken frees {_bytes_phrase(worst.reclaimable_bytes)} ({worst.reclaimable_blocks:.0f} blocks)."
     else:
         text += "; vToken frees less than one block here."
     before, after = worst.capacity["naive-evict"], worst.capacity["vtoken"]
-    if after.max_concurrency != before.max_concurrency:
-        text += (f" All admitted at once, {before.max_concurrency} requests fit without vToken and "
-                 f"{after.max_concurrency}{'+' if after.is_lower_bound else ''} with it.")
+    num_more, is_at_least = room_for_more(worst)
+    text += (f" All admitted at once, {_at_least(before)} requests fit without vToken and {_at_least(after)} with it: "
+             f"room for {_count(num_more, 'more concurrent request', is_at_least)}.")
     if edges:
         text += _range_sentence(worst, [e[policies.index(worst)] for e in edges.values()])
     if len(policies) > 1:
@@ -183,8 +193,12 @@ def _bytes_phrase(num_bytes: float) -> str:
     return f"{num_bytes / 2**20:.1f} MiB"
 
 
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}" + ("" if number == 1 else "s")
+def _at_least(capacity: Capacity) -> str:
+    return f"{capacity.max_concurrency}{'+' if capacity.is_lower_bound else ''}"
+
+
+def _count(number: int, noun: str, is_at_least: bool = False) -> str:
+    return f"{number}{'+' if is_at_least else ''} {noun}" + ("" if number == 1 and not is_at_least else "s")
 
 
 # ---- JSON and CSV rows ---------------------------------------------------------------------------
@@ -268,7 +282,7 @@ def _policy_json(p: PolicyAudit, ranges: dict[str, Any] | None = None) -> dict:
         "trapped_bytes": run.trapped_bytes,
         "reclaimable_bytes": p.reclaimable_bytes,
         "reclaimable_blocks": p.reclaimable_blocks,
-        "room_for_more_requests": p.room_for_more_requests,
+        "room_for_more_requests": room_for_more(p)[0],
         "retained_blocks_per_request": {v: r.retained_blocks_per_request for v, r in p.runs.items()},
         "max_concurrency": {v: c.max_concurrency for v, c in p.capacity.items()},
         "max_concurrency_is_lower_bound": {v: c.is_lower_bound for v, c in p.capacity.items()},

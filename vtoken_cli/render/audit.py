@@ -11,9 +11,13 @@ from rich.table import Table
 from rich.text import Text
 
 from vtoken.audit import AUDIT_VARIANTS, DEFINITIONS, AuditReport, DeploymentAudit, PolicyAudit, policy_title
+from vtoken.audit.measurement import run_config
+from vtoken.audit.report import room_for_more
 from vtoken.audit.workload import LengthDistribution
 from vtoken.hardware import GiB
-from vtoken_cli.render.common import definitions_table, histogram
+from vtoken_cli.render.common import (
+    WideOrNarrow, definitions_table, fields_grid, fields_panel, figure_table, histogram, histogram_scale, titled,
+)
 
 
 def audit_report(report: AuditReport) -> Group:
@@ -21,7 +25,8 @@ def audit_report(report: AuditReport) -> Group:
     if report.live is not None:
         parts.append(_live_panel(report))
     parts += [_workload_panel(report), _policy_table(report), _variant_table(report)]
-    parts += [_histograms(report, p) for p in report.policies]
+    scale = histogram_scale([r.utilization_histogram for p in report.policies for r in (p.evicted, p.runs["vtoken"])])
+    parts += [_histograms(p, scale) for p in report.policies]
     definitions = [(name, text) for _, name, text in DEFINITIONS]
     parts += [definitions_table(definitions, "Definitions (time-weighted means over each run)"),
               Panel(report.verdict, title="Verdict", title_align="left", border_style="bold")]
@@ -39,19 +44,19 @@ def deployment_report(result: DeploymentAudit) -> Group:
     if totals["num_requests_observed"] is not None:
         lines.append(f"observed    {totals['num_requests_observed']:,} finished requests"
                      + (f", {totals['request_rate_per_s']:.2f} requests/s" if totals["request_rate_per_s"] is not None else ""))
-    table = Table(title="Deployment total (sums over replicas; each has its own pool)", title_justify="left")
-    table.add_column("policy", min_width=12, no_wrap=True)
-    for column in ("trapped GiB", "reclaim GiB", "room for", *(f"max C {v}" for v in AUDIT_VARIANTS)):
-        table.add_column(column, justify="right")
+    rows = {}
     for policy, total in totals["policies"].items():
         ranges = total.get("ranges", {})
-        table.add_row(
-            policy_title(policy), _ranged(total["trapped_bytes"] / GiB, _scaled(ranges.get("trapped_bytes")), "{:.2f}"),
+        rows[policy_title(policy)] = [
+            _ranged(total["trapped_bytes"] / GiB, _scaled(ranges.get("trapped_bytes")), "{:.2f}"),
             _ranged(total["reclaimable_bytes"] / GiB, _scaled(ranges.get("reclaimable_bytes")), "{:.2f}"),
             _ranged(total["room_for_more_requests"], ranges.get("room_for_more_requests"), "{}"),
             *(_ranged(total["max_concurrency"][v], ranges.get("max_concurrency", {}).get(v), "{}") for v in AUDIT_VARIANTS),
-        )
-    parts += [Panel("\n".join(lines), title="Deployment", title_align="left"), table]
+        ]
+    columns = [("trapped GiB", "trapped GiB"), ("reclaim GiB", "reclaimable GiB"), ("room for", "room for more req"),
+               *((f"max C {v}", f"max C {v}") for v in AUDIT_VARIANTS)]
+    table = titled("Deployment total (sums over replicas; each has its own pool)", figure_table("policy", columns, rows))
+    parts += [Panel(Text("\n".join(lines)), title="Deployment", title_align="left"), table]
     return Group(*parts)
 
 
@@ -61,36 +66,44 @@ def _scaled(bounds: object) -> tuple[float, float] | None:
 
 def _deployment_panel(report: AuditReport) -> Panel:
     d = report.deployment
-    lines = [
-        f"source      {d.source}",
-        f"model       {d.model.name}: {d.model.num_layers} layers x {d.model.num_kv_heads} KV heads x "
-        f"{d.model.head_dim}, {d.model.kv_bytes_per_token:,} KV bytes/token",
-        f"KV budget   {d.num_blocks:,} blocks of {d.block_size} tokens = "
-        f"{d.num_blocks * d.kv_bytes_per_block / GiB:.2f} GiB",
-        f"eviction    {', '.join(d.policies)}; {d.budget.describe()}, every {d.interval_tokens} tokens",
-        f"simulated   sim executor on {d.gpu.name}, seed {d.seed}",
+    reclaim = run_config(d, d.policies[0]).reclaim
+    rows = [
+        ("source", d.source),
+        ("model", f"{d.model.name}: {d.model.num_layers} layers x {d.model.num_kv_heads} KV heads x {d.model.head_dim}, "
+                  f"{d.model.kv_bytes_per_token:,} KV bytes/token"),
+        ("KV budget", f"{d.num_blocks:,} blocks of {d.block_size} tokens (block size {d.block_size}) = "
+                      f"{d.num_blocks * d.kv_bytes_per_block / GiB:.2f} GiB"),
+        ("policies", ", ".join(d.policies)),
+        ("budget", d.budget.describe()),
+        ("eviction", f"every {d.interval_tokens} tokens"),
+        ("reclaim", f"vtoken: {reclaim.mode}, theta_F {reclaim.theta_f:g}"),
+        ("executor", f"sim, cost model of {d.gpu.name}"),
+        ("GPU", d.gpu.name),
+        ("seed", str(d.seed)),
     ]
-    lines += [f"note        {n}" for n in d.notes]
-    lines += [f"GPU {g.index} here  {g.name}: {g.memory_used_bytes / GiB:.1f} of {g.memory_total_bytes / GiB:.1f} GiB used "
-              "(NVML)" for g in report.gpus.devices]
+    rows += [("note", n) for n in d.notes]
+    rows += [(f"GPU {g.index} here", f"{g.name}: {g.memory_used_bytes / GiB:.1f} of {g.memory_total_bytes / GiB:.1f} "
+              "GiB used (NVML)") for g in report.gpus.devices]
     if report.gpus.reason is not None:
-        lines.append(f"GPUs here   {report.gpus.reason}")
-    return Panel("\n".join(lines), title="Deployment", title_align="left")
+        rows.append(("GPUs here", report.gpus.reason))
+    return fields_panel(rows, "Deployment")
 
 
 def _live_panel(report: AuditReport) -> Panel:
     live = report.live
     cache = live.cache_config
-    lines = [
-        f"server      {live.url}  model {live.model_name}" + (f", max_model_len {live.max_model_len}" if live.max_model_len else ""),
-        f"cache       block size {_show(cache.block_size)}, {_show(cache.num_gpu_blocks)} GPU blocks, dtype "
-        f"{_show(cache.cache_dtype)}, prefix caching {_show(cache.enable_prefix_caching)}, "
-        f"gpu_memory_utilization {_show(cache.gpu_memory_utilization)}",
-        f"load        KV usage {_percent(live.metrics.kv_cache_usage)}, {_show(live.metrics.num_requests_running)} running, "
-        f"{_show(live.metrics.num_requests_waiting)} waiting, {_show(live.metrics.num_preemptions)} preemptions so far",
+    rows = [
+        ("server", f"{live.url}  model {live.model_name}"
+                   + (f", max_model_len {live.max_model_len}" if live.max_model_len else "")),
+        ("cache", f"block size {_show(cache.block_size)}, {_show(cache.num_gpu_blocks)} GPU blocks, dtype "
+                  f"{_show(cache.cache_dtype)}, prefix caching {_show(cache.enable_prefix_caching)}, "
+                  f"gpu_memory_utilization {_show(cache.gpu_memory_utilization)}"),
+        ("load", f"KV usage {_percent(live.metrics.kv_cache_usage)}, {_show(live.metrics.num_requests_running)} running, "
+                 f"{_show(live.metrics.num_requests_waiting)} waiting, {_show(live.metrics.num_preemptions)} "
+                 "preemptions so far"),
     ]
-    lines += [f"note        {n}" for n in live.notes]
-    parts: list[RenderableType] = [Text("\n".join(lines))]
+    rows += [("note", n) for n in live.notes]
+    parts: list[RenderableType] = [fields_grid(rows)]
     if report.is_waste_measured:
         metrics = Table("vtoken metric", "value", title_justify="left")
         for name, value in sorted(live.metrics.vtoken_metrics.items()):
@@ -102,32 +115,32 @@ def _live_panel(report: AuditReport) -> Panel:
 def _workload_panel(report: AuditReport) -> Panel:
     w = report.deployment.workload
     trace = report.trace
-    lines = [f"source      {w.source}: {trace.source} ({trace.format}), {len(trace.requests)} requests replayed, "
-             f"closed loop with {w.concurrency} clients"]
+    rows = [("source", f"{w.source}: {trace.source} ({trace.format}), {len(trace.requests)} requests replayed"),
+            ("arrivals", f"closed loop, concurrency {w.concurrency}")]
     if w.is_bundled_sample:
         why = "the server has finished no request yet" if report.live is not None else "no workload given"
-        lines.append(f"{why}: using the bundled sample, Azure LLM inference trace 2023 (conversation), "
-                     "Azure Public Dataset, CC-BY 4.0")
+        rows.append(("sample", f"{why}: using the bundled sample, Azure LLM inference trace 2023 (conversation), "
+                               "Azure Public Dataset, CC-BY 4.0"))
     replica = w.replica
     if replica is not None:
         reasons = ", ".join(f"{r} {n:g}" for r, n in replica.num_requests_by_reason.items() if n)
-        lines.append(f"observed    {replica.num_requests_observed:,} finished requests" + (f" ({reasons})" if reasons else ""))
-        lines += [_lengths_line("prompt", replica.prompt_tokens), _lengths_line("output", replica.output_tokens)]
+        rows.append(("observed", f"{replica.num_requests_observed:,} finished requests" + (f" ({reasons})" if reasons else "")))
+        rows += [_lengths_row("prompt", replica.prompt_tokens), _lengths_row("output", replica.output_tokens)]
         if replica.request_rate_per_s is not None:
-            lines.append(f"rate        {replica.request_rate_per_s:.2f} requests/s over {w.server.window_s:.1f} s")
+            rows.append(("rate", f"{replica.request_rate_per_s:.2f} requests/s over {w.server.window_s:.1f} s"))
         else:
-            lines.append("rate        not sampled (--window SECONDS scrapes twice)")
+            rows.append(("rate", "not sampled (--window SECONDS scrapes twice)"))
         if replica.prefix_cache_hit_ratio is not None:
-            lines.append(f"prefix hit  {100 * replica.prefix_cache_hit_ratio:.1f}% of queried prompt tokens")
-    lines += [f"note: {n}" for n in dict.fromkeys([*w.notes, *trace.notes])]
-    return Panel("\n".join(lines), title="Workload", title_align="left")
+            rows.append(("prefix hit", f"{100 * replica.prefix_cache_hit_ratio:.1f}% of queried prompt tokens"))
+    rows += [("note", n) for n in dict.fromkeys([*w.notes, *trace.notes])]
+    return fields_panel(rows, "Workload")
 
 
-def _lengths_line(name: str, dist: LengthDistribution) -> str:
-    """`prompt  mean 4.0 (3-5), p50 4.0 (3-5), p90 4.8 (3-5)`: ranges from every request at its bucket's edges."""
+def _lengths_row(name: str, dist: LengthDistribution) -> tuple[str, str]:
+    """`prompt tokens  mean 4.0 (3-5), p50 4.0 (3-5), p90 4.8 (3-5)`: ranges from every request at its bucket's edges."""
     parts = [f"{stat} {getattr(dist.mid, stat):,.1f} ({getattr(dist.low, stat):,.0f}-{getattr(dist.high, stat):,.0f})"
              for stat in ("mean", "p50", "p90")]
-    return f"{name + ' tokens':<11} " + ", ".join(parts) + "  (bucket edges in brackets)"
+    return f"{name} tokens", ", ".join(parts) + "  (bucket edges in brackets)"
 
 
 def _ranged(value: float, bounds: tuple[float, float] | None, fmt: str) -> str:
@@ -138,36 +151,44 @@ def _ranged(value: float, bounds: tuple[float, float] | None, fmt: str) -> str:
     return f"{text}\n({fmt.format(bounds[0])}-{fmt.format(bounds[1])})"
 
 
-def _policy_table(report: AuditReport) -> Table:
-    table = Table(title="Waste per policy (naive-evict: token-level eviction on the paged cache as it is)",
-                  title_justify="left")
-    table.add_column("policy", min_width=12, no_wrap=True)
-    for column in ("F", "u <= 50%", "trapped GiB", "reclaim GiB", "reclaim blocks", "room for"):
-        table.add_column(column, justify="right")
+POLICY_COLUMNS = (("F", "F (waste ratio)"), ("u <= 50%", "blocks u <= 50%"), ("trapped GiB", "trapped GiB"),
+                  ("reclaim GiB", "reclaimable GiB"), ("reclaim blocks", "reclaimable blocks"),
+                  ("room for", "room for more req"))
+
+
+def _room_cell(p: PolicyAudit, bounds: tuple[int, int] | None) -> str:
+    num_more, is_at_least = room_for_more(p)
+    return _ranged(num_more, bounds, "{}" + ("+" if is_at_least else ""))
+
+
+def _policy_table(report: AuditReport) -> Group:
+    rows = {}
     for idx, p in enumerate(report.policies):
         run, ranges = p.evicted, report.ranges(idx) or {}
-        table.add_row(
-            policy_title(p.policy), _ranged(run.waste_ratio, ranges.get("waste_ratio"), "{:.3f}"),
-            f"{100 * run.frac_blocks_le_half:.1f}%",
+        rows[policy_title(p.policy)] = [
+            _ranged(run.waste_ratio, ranges.get("waste_ratio"), "{:.3f}"), f"{100 * run.frac_blocks_le_half:.1f}%",
             _ranged(run.trapped_bytes / GiB, _scaled(ranges.get("trapped_bytes")), "{:.2f}"),
             _ranged(p.reclaimable_bytes / GiB, _scaled(ranges.get("reclaimable_bytes")), "{:.2f}"),
-            f"{p.reclaimable_blocks:,.0f}", _ranged(p.room_for_more_requests, ranges.get("room_for_more_requests"), "{}"),
-        )
+            f"{p.reclaimable_blocks:,.0f}", _room_cell(p, ranges.get("room_for_more_requests")),
+        ]
+    captions = ["room for = max C(vtoken) - max C(naive-evict) in the per-variant table"]
     if report.edges:
-        table.caption = "(lo-hi): over replays with every length at its histogram bucket's lower and upper edge"
+        captions.append("(lo-hi): over replays with every length at its histogram bucket's lower and upper edge")
     skipped = {p.policy: len(p.evicted.skipped) for p in report.policies if p.evicted.skipped}
     if skipped:
-        table.caption = (table.caption + "; " if table.caption else "") + "requests larger than the whole budget were skipped: " + ", ".join(f"{k} {n}" for k, n in skipped.items())
-    return table
+        captions.append("requests larger than the whole budget were skipped: "
+                        + ", ".join(f"{k} {n}" for k, n in skipped.items()))
+    return titled("Waste per policy (naive-evict: token-level eviction on the paged cache as it is)",
+                  figure_table("policy", POLICY_COLUMNS, rows), "; ".join(captions))
 
 
-def _variant_table(report: AuditReport) -> Table:
+def _variant_table(report: AuditReport) -> Group:
     cap = report.deployment.frontier_max_concurrency
-    table = Table(title=f"Per variant (max C: searched up to {cap}; + = at least)", title_justify="left")
-    table.add_column("policy", min_width=12, no_wrap=True)
-    table.add_column("variant", min_width=11, no_wrap=True)
+    table = Table()
+    table.add_column("policy", no_wrap=True)
+    table.add_column("variant", no_wrap=True)
     for column in ("F", "blocks per req", "trapped GiB", "max C", "preempt"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", overflow="fold")
     for idx, p in enumerate(report.policies):
         max_c_ranges = (report.ranges(idx) or {}).get("max_concurrency", {})
         for variant in AUDIT_VARIANTS:
@@ -179,15 +200,20 @@ def _variant_table(report: AuditReport) -> Table:
                 str(run.preemptions),
                 end_section=variant == AUDIT_VARIANTS[-1],
             )
-    return table
+    return titled(f"Per variant (max C: searched up to {cap}; + = at least)", table)
 
 
-def _histograms(report: AuditReport, p: PolicyAudit) -> Group:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_row(histogram(p.evicted.utilization_histogram, "naive-evict"),
-                 histogram(p.runs["vtoken"].utilization_histogram, "vtoken"))
+def _histograms(p: PolicyAudit, scale: float) -> Group:
+    """naive-evict next to vtoken where both fit, one above the other where not; every policy's
+    histograms on one scale."""
+    panels = [histogram(p.evicted.utilization_histogram, "naive-evict", scale),
+              histogram(p.runs["vtoken"].utilization_histogram, "vtoken", scale)]
+    side_by_side = Table.grid(padding=(0, 3))
+    side_by_side.add_row(*panels)
+    stacked = Group(*[histogram(run.utilization_histogram, name, scale)
+                      for name, run in (("naive-evict", p.evicted), ("vtoken", p.runs["vtoken"]))])
     title = f"{policy_title(p.policy)}: block utilization u = live / S, share of allocated blocks"
-    return Group(Text(title, style="bold"), grid)
+    return titled(title, WideOrNarrow(side_by_side, stacked), f"one scale: a full bar is {100 * scale:.1f}% of blocks")
 
 
 def _show(value: object) -> str:

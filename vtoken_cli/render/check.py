@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
+from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from vtoken.checker.names import FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
+from vtoken_cli.render.common import fields_panel, titled
 
 if TYPE_CHECKING:
     from vtoken.checker import CheckReport, Tally
@@ -25,18 +27,34 @@ def check_report(report: CheckReport) -> Group:
     return Group(*parts)
 
 
-def _header(report: CheckReport) -> Text:
-    runs = report.runs
+def _header(report: CheckReport) -> Panel:
+    """What was checked: traces, model, GPU, KV budgets, eviction, reclaim, concurrency, seed,
+    executor, then the notes."""
+    runs, base, options = report.runs, report.base, report.options
     scenarios = list(dict.fromkeys(r.scenario for r in runs))
-    lines = [
-        f"{len(runs)} runs over {len(scenarios)} scenarios ({', '.join(scenarios[:4])}{', ...' if len(scenarios) > 4 else ''}); "
-        f"policies {', '.join(report.options.policies)}; reclaim modes {', '.join(report.options.reclaim_modes)}",
-        f"executor {report.options.executor}{_model_part(report)}; KV materialized on {report.device}, "
-        f"copy engine '{report.copy_mode}'"
-        + (" (each copy stays in flight across the next forward)" if report.copy_mode == "deferred" else ""),
+    budgets = list(dict.fromkeys((r.num_blocks, r.block_size) for r in runs))
+    kv = ", ".join(f"{n:,} blocks of {s} tokens" for n, s in budgets[:4]) + (", ..." if len(budgets) > 4 else "")
+    rows = [
+        ("runs", f"{len(runs)} over {len(scenarios)} scenarios"),
+        ("traces", ", ".join(scenarios[:4]) + (", ..." if len(scenarios) > 4 else "")),
+        ("model", base.model.name + _model_part(report)),
+        ("GPU", base.gpu.name),
+        ("KV cache", f"{kv} (block size {', '.join(str(s) for s in dict.fromkeys(s for _, s in budgets))})"),
+        ("policies", ", ".join(options.policies)),
+        ("budget", base.eviction.budget.describe()),
+        ("eviction", f"every {base.eviction.interval_tokens} tokens"),
+        ("reclaim", f"{', '.join(options.reclaim_modes)}; theta_F {base.reclaim.theta_f:g}, eligibility every "
+                    f"{base.reclaim.check_interval_steps} iterations"),
+        ("arrivals", "open loop (trace timestamps)" if base.concurrency is None else
+                     f"closed loop, concurrency {base.concurrency}"),
+        ("seed", str(base.seed)),
+        ("executor", f"{options.executor}; KV materialized on {report.device}, copy engine '{report.copy_mode}'"
+                     + (" (each copy stays in flight across the next forward)" if report.copy_mode == "deferred" else "")),
     ]
-    lines += [f"note: {note}" for note in report.notes]
-    return Text("\n".join(lines))
+    if options.fault is not None:
+        rows.append(("fault", options.fault))
+    rows += [("note", note) for note in report.notes]
+    return fields_panel(rows, f"vtoken check-invariants ({options.executor} executor)")
 
 
 def _model_part(report: CheckReport) -> str:
@@ -44,15 +62,18 @@ def _model_part(report: CheckReport) -> str:
     if not report.model_kv:
         return ""
     kv = report.kv_layout
-    return (f" (model {report.base.model.name}: K/V of {kv.num_layers} layers x {kv.num_kv_heads} KV heads x "
-            f"{kv.head_dim} dims {kv.dtype}, written by its forward)")
+    return (f" (K/V of {kv.num_layers} layers x {kv.num_kv_heads} KV heads x {kv.head_dim} dims {kv.dtype}, "
+            "written by its forward)")
 
 
-def _invariant_table(report: CheckReport) -> Table:
+def _invariant_table(report: CheckReport) -> Group:
     caption = "; ".join(f"{name}: {unit}" for name, unit in report.check_units.items())
-    table = Table(title="Invariants", title_justify="left", caption=f"one check = {caption}", caption_justify="left")
-    for column in ("", "invariant", "checked", "violations", "first violation"):
-        table.add_column(column, justify="right" if column in ("checked", "violations") else "left")
+    table = Table()
+    table.add_column("", no_wrap=True)
+    table.add_column("invariant", no_wrap=True)
+    table.add_column("checked", justify="right", no_wrap=True)
+    table.add_column("violations", justify="right", no_wrap=True)
+    table.add_column("first violation", overflow="fold")
     for name, tally in report.tallies.items():
         v = tally.first_violation
         first = "-" if v is None else (
@@ -62,18 +83,19 @@ def _invariant_table(report: CheckReport) -> Table:
         )
         table.add_row(_mark(tally), f"{name} {INVARIANT_NAMES[name]}", f"{tally.checked:,}",
                       Text(f"{tally.violations:,}", style="red" if tally.violations else ""), first)
-    return table
+    return titled("Invariants", table, f"one check = {caption}")
 
 
-def _policy_mode_table(report: CheckReport) -> Table:
-    table = Table(title="Per policy and reclaim mode (all scenarios)", title_justify="left")
-    for column in ("policy", "mode", "relocations", "tokens moved", *INVARIANTS):
-        table.add_column(column, justify="left" if column in ("policy", "mode") else "right")
+def _policy_mode_table(report: CheckReport) -> Group:
+    table = Table()
+    for column in ("policy", "mode", "relocation events", "tokens moved", *INVARIANTS):
+        is_label = column in ("policy", "mode")
+        table.add_column(column, justify="left" if is_label else "right", no_wrap=is_label, overflow="fold")
     for group in report.by_policy_mode():
         tallies = group.tallies
         table.add_row(group.policy, group.reclaim_mode, f"{group.relocation_events:,}", f"{group.tokens_moved:,}",
                       *(_cell(tallies[name]) for name in INVARIANTS))
-    return table
+    return titled("Per policy and reclaim mode (all scenarios)", table)
 
 
 def _cell(tally: Tally) -> Text:
