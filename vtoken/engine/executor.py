@@ -7,6 +7,16 @@ tables; the sim turns it into a duration, a real executor runs the batch and mea
 An executor that advances several decode steps per iteration (`max_fused_steps > 1`) must also
 predict a step's duration (`StepCostModel`), so that fused steps never run past the next
 open-loop arrival.
+
+What attention reads is a request's *KV extent*: every slot of its block list up to its last
+written token, dead or alive. Paged kernels walk the block table to `seq_len` and take no token
+mask, so a dead token left in a held block costs what a live one does; a block the request
+handed back is not in its block table and costs nothing:
+
+    held:    [L . L L][. L . .][L . . L][L L . . ]    4 blocks of S = 4, cursor at 2
+    extent:   4       + 4      + 4      + 2        = 14 slots read, 8 of them live
+
+`kv_extent(table)` counts it; compaction is what makes it shrink.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from vtoken.engine.scheduler import Batch
+    from vtoken.kv.token_table import TokenTable
 
 TokenScores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (attention_sum, attention_last, importance_count)
 
@@ -27,10 +38,17 @@ class StepLoad:
     """What one engine iteration asks of the hardware."""
 
     num_decode_steps: int  # fused decode steps in this iteration (>= 1)
-    num_live_kv_tokens: int  # live KV tokens read by attention at the first of those steps
-    num_decoding_requests: int  # each adds one live token per step
+    num_kv_slots_read: int  # KV slots paged attention reads at the first of those steps (kv_extent)
+    num_live_kv_tokens: int  # live KV tokens of the decodes at that step (what a gather kernel reads)
+    num_decoding_requests: int  # each adds one slot and one live token per step
     num_prefill_tokens: int  # prompt tokens computed in the first step
     num_copied_tokens: int  # tokens relocated after this iteration's forward
+
+
+def kv_extent(table: TokenTable) -> int:
+    """KV slots attention reads for `table`: (held blocks - 1) x S + the tail's written slots."""
+    num_blocks = table.num_blocks
+    return (num_blocks - 1) * table.block_size + table.tail_num_written if num_blocks else 0
 
 
 class Executor(Protocol):

@@ -23,7 +23,7 @@ import numpy as np
 
 from vtoken.engine.config import RunConfig
 from vtoken.engine.eviction import EvictionSchedule
-from vtoken.engine.executor import Executor, StepCostModel, StepLoad
+from vtoken.engine.executor import Executor, StepCostModel, StepLoad, kv_extent
 from vtoken.engine.observer import NullObserver, RuntimeObserver
 from vtoken.engine.scheduler import Batch, ReqState, Scheduler, TableFactory
 from vtoken.invariants import check_plan
@@ -123,7 +123,7 @@ class Runtime:
         prefill = [s for s in prefill if s.table is not None]
         if not decode and not prefill:
             return None
-        batch = Batch(tuple(prefill), tuple(decode), num_steps, self._live_kv_tokens(decode))
+        batch = Batch(tuple(prefill), tuple(decode), num_steps, *_kv_read_counts(decode))
         for state in decode:
             self._grow(state, num_steps)
         return batch
@@ -139,7 +139,8 @@ class Runtime:
         return max(1, num_steps)
 
     def _decode_time_s(self, decode: list[ReqState], num_steps: int) -> float:
-        load = StepLoad(num_steps, sum(s.table.num_live_tokens for s in decode), len(decode), 0, 0)
+        num_slots, num_live = _kv_read_counts(decode)
+        load = StepLoad(num_steps, num_slots, num_live, len(decode), num_prefill_tokens=0, num_copied_tokens=0)
         return self.executor.iteration_time_s(load)  # a StepCostModel: checked in __init__
 
     def _make_room(self, decode: list[ReqState], num_steps: int) -> int:
@@ -168,10 +169,6 @@ class Runtime:
 
     # ---- execute -----------------------------------------------------------------------------
 
-    def _live_kv_tokens(self, decode: list[ReqState]) -> int:
-        """KV tokens attention reads at the first decode step (before this iteration's growth)."""
-        return sum(s.table.num_live_tokens for s in decode)
-
     def execute(self, batch: Batch) -> float:
         """The forward: the executor runs (or costs) it after every in-flight copy it needs."""
         self.copy_engine.wait_before_forward()
@@ -179,11 +176,12 @@ class Runtime:
             self._complete(plan)
         self.observer.on_forward(batch, self.copy_engine.in_flight_plans)
         load = StepLoad(
-            batch.num_decode_steps,
-            batch.num_live_kv_tokens,
-            len(batch.decode),
-            sum(s.table.num_tokens for s in batch.prefill),
-            self._num_copied_tokens,
+            num_decode_steps=batch.num_decode_steps,
+            num_kv_slots_read=batch.num_kv_slots_read,
+            num_live_kv_tokens=batch.num_live_kv_tokens,
+            num_decoding_requests=len(batch.decode),
+            num_prefill_tokens=sum(s.table.num_tokens for s in batch.prefill),
+            num_copied_tokens=self._num_copied_tokens,
         )
         self._num_copied_tokens = 0
         return self.executor.execute(batch, load)
@@ -296,3 +294,14 @@ class Runtime:
             skipped=tuple(self.scheduler.skipped), num_iterations=self.num_iterations,
             num_decode_steps=self.num_decode_steps, host_time_s=host_time_s,
         )
+
+
+def _kv_read_counts(decode: Sequence[ReqState]) -> tuple[int, int]:
+    """(KV slots attention reads, live KV tokens) of the decodes, before this iteration's growth.
+
+    The first is what paged attention reads: each request's KV extent, its dead tokens in held
+    blocks included (`executor.kv_extent`); native's equals its token count, naive-evict's its
+    held blocks', and only compaction makes vtoken's smaller.
+    """
+    tables = [s.table for s in decode]
+    return sum(kv_extent(t) for t in tables), sum(t.num_live_tokens for t in tables)

@@ -51,7 +51,8 @@ class Batch:
     prefill: tuple[ReqState, ...]
     decode: tuple[ReqState, ...]
     num_decode_steps: int
-    num_live_kv_tokens: int  # live KV tokens of the decodes before this iteration's tokens
+    num_kv_slots_read: int  # the decodes' KV extents before this iteration's tokens (executor.kv_extent)
+    num_live_kv_tokens: int  # their live KV tokens then
 
 
 @dataclass

@@ -3,9 +3,27 @@
 No model runs. A step's time is what a memory-bound decoder spends on a GPU from the catalog:
 
     t_step = overhead_s
-           + (weight_bytes + live_kv_bytes_read) / (hbm_bytes_per_s * hbm_efficiency)
+           + (weight_bytes + kv_bytes_read) / (hbm_bytes_per_s * hbm_efficiency)
            + prefill_flops / (bf16_flop_per_s * mfu)
            + max(0, copy_s - copy_overlap_s)        # copy_s = relocation bytes / HBM rate
+
+What attention reads (`SimProfile.attention_reads`):
+
+- `kv-extent` (default): every slot of each request's block list up to its last written token,
+  dead or alive (`StepLoad.num_kv_slots_read`). This is what vLLM's paged kernels do; none of
+  them takes a token mask (vllm 0.32, under vllm/):
+    v1/attention/backends/flash_attn.py        `seqused_k = attn_metadata.seq_lens`
+    v1/attention/backends/flashinfer.py        `num_blocks_np = (seq_lens_np + (page_size - 1)) // page_size`
+                                               (and `paged_kv_last_page_len_np = seq_lens_np % page_size`)
+    v1/attention/ops/triton_unified_attention.py  `for j in range(loop_lo, loop_hi):` loading
+                                               `block_tables_ptr + block_table_offset + seq_offset // BLOCK_SIZE`,
+                                               the bound from triton_attention_helpers.py's
+                                               `num_tiles = cdiv_fn(max_seq_prefix_len, TILE_SIZE)`,
+                                               `max_seq_prefix_len = tl.minimum(max_seq_prefix_len, seq_len)`
+  So a dead token that stays in a held block costs full bandwidth: naive-evict reads about
+  what native does, and only compaction makes attention cheaper.
+- `live-tokens`: only live tokens (`StepLoad.num_live_kv_tokens`), as a token-gather kernel
+  that reads a per-token slot list would; no vLLM backend is one.
 
 Relocation copies run on a side stream after the forward; only the part that does not fit in
 the post-forward window (`copy_overlap_s`) shows up in the step time. With `sync_copy` the
@@ -42,10 +60,14 @@ if TYPE_CHECKING:
     from vtoken.engine.scheduler import Batch
 
 
+ATTENTION_READS = ("kv-extent", "live-tokens")  # paged kernels (vLLM's); a token-gather kernel
+
+
 @dataclass(frozen=True)
 class SimProfile:
     """Every knob of the sim executor, with its default. Overridable from a TOML profile."""
 
+    attention_reads: str = "kv-extent"  # one of ATTENTION_READS: what a decode step's attention reads
     hbm_efficiency: float = 0.80  # fraction of peak HBM bandwidth a decode step achieves
     mfu: float = 0.50  # model FLOP utilization of prefill
     overhead_s: float = 0.002  # fixed per-step cost: scheduling, launch, sampling
@@ -60,6 +82,9 @@ class SimProfile:
     importance_threshold: float = 0.05  # a(q, j) at or above this marks j important for q
 
     def __post_init__(self) -> None:
+        if self.attention_reads not in ATTENTION_READS:
+            raise ConfigError(f"sim profile: attention_reads must be one of {', '.join(ATTENTION_READS)}, "
+                              f"got {self.attention_reads!r}")
         for name in ("hbm_efficiency", "mfu"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"sim profile: {name} must be in (0, 1], got {getattr(self, name)}")
@@ -108,6 +133,7 @@ class SimExecutor:
         self.seed = seed
         self._kv_rate = gpu.hbm_bytes_per_s * profile.hbm_efficiency
         self._weight_s = model.weight_bytes / self._kv_rate
+        self._reads_extent = profile.attention_reads == "kv-extent"
         self._importance: dict[int, np.ndarray] = {}
 
     # ---- cost model ----------------------------------------------------------------------
@@ -118,8 +144,10 @@ class SimExecutor:
 
     def iteration_time_s(self, load: StepLoad) -> float:
         k, n = load.num_decode_steps, load.num_decoding_requests
-        # live tokens grow by n per step: sum over k steps of (L0 + i*n)
-        kv_tokens_read = k * load.num_live_kv_tokens + n * k * (k - 1) // 2
+        first_step = load.num_kv_slots_read if self._reads_extent else load.num_live_kv_tokens
+        # each decode's extent and its live tokens grow by one per fused step (eviction and
+        # reclamation run between iterations): sum over k steps of (first_step + i*n)
+        kv_tokens_read = k * first_step + n * k * (k - 1) // 2
         memory_s = k * self._weight_s + kv_tokens_read * self.model.kv_bytes_per_token / self._kv_rate
         prefill_s = 2.0 * self.model.num_params * load.num_prefill_tokens / (self.gpu.bf16_flop_per_s * self.profile.mfu)
         return k * self.profile.overhead_s + memory_s + prefill_s + self.copy_time_s(load.num_copied_tokens)

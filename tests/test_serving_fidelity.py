@@ -1,0 +1,161 @@
+"""The sim charges what a real engine does: attention reads each request's KV extent, dead tokens
+in held blocks included, so only compaction makes it cheaper.
+
+Property tests over random workloads and eviction settings, on the same admitted requests and
+no preemption: per step, vToken's KV read is never above Naive-Evict's, and Naive-Evict's
+equals Native's while no block has been handed back (no block fully dead yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtoken.engine import RunConfig, Runtime, SimExecutor, SimProfile
+from vtoken.engine.config import EvictionConfig
+from vtoken.engine.executor import StepLoad, kv_extent
+from vtoken.errors import ConfigError
+from vtoken.hardware import resolve_gpu
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.token_table import TokenTable
+from vtoken.model_spec import resolve_model
+from vtoken.policies import POLICIES
+from vtoken.policies.base import Budget
+from vtoken.trace import Request
+
+S = 16
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    load: StepLoad
+    num_tokens: int  # of the decodes, before this iteration's growth
+    has_handed_back: bool  # some decode holds fewer blocks than its tokens fill
+
+
+class RecordingSim(SimExecutor):
+    """The sim executor, keeping the load of every iteration it costs."""
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__(config.model, config.gpu, config.sim, config.seed)
+        self.steps: list[StepRecord] = []
+
+    def execute(self, batch, load: StepLoad) -> float:
+        k = batch.num_decode_steps  # the tables already hold this iteration's k new tokens
+        num_tokens = sum(s.table.num_tokens - k for s in batch.decode)
+        handed_back = any(s.table.num_blocks < -(-s.table.num_tokens // S) for s in batch.decode)
+        self.steps.append(StepRecord(load, num_tokens, handed_back))
+        return super().execute(batch, load)
+
+
+def make_config(variant: str, eviction: EvictionConfig, **overrides) -> RunConfig:
+    base = RunConfig(variant, resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=20_000,
+                     block_size=S, eviction=eviction, concurrency=6)
+    return replace(base, **overrides)
+
+
+def replay(config: RunConfig, requests: list[Request]) -> tuple[list[StepRecord], int]:
+    executor = RecordingSim(config)
+    result = Runtime(config, requests, executor).run()
+    assert result.num_completed == len(requests)
+    return executor.steps, result.preemptions
+
+
+workloads = st.lists(
+    st.tuples(st.integers(8, 300), st.integers(4, 300)).map(lambda lengths: Request("r", 0.0, *lengths)),
+    min_size=1, max_size=10,
+).map(lambda reqs: [replace(r, request_id=str(i)) for i, r in enumerate(reqs)])
+budgets = st.builds(lambda ratio, recent: Budget(keep_ratio=ratio, num_sink_tokens=4, num_recent_tokens=recent),
+                    st.sampled_from([0.2, 0.4, 0.6]), st.sampled_from([8, 16, 32]))
+FIFO_POLICIES = ("streaming_llm",)  # evict the oldest tokens first: see the test after this one
+
+
+@pytest.mark.parametrize("policy", [p for p in sorted(POLICIES) if p not in FIFO_POLICIES])
+@settings(max_examples=25, deadline=None)
+@given(requests=workloads, budget=budgets, interval=st.sampled_from([8, 16, 32]))
+def test_vtoken_reads_at_most_naive_and_naive_reads_native_until_a_block_is_handed_back(policy, requests, budget,
+                                                                                         interval):
+    eviction = EvictionConfig(policy, budget, interval)
+    native, native_preempted = replay(make_config("native", eviction), requests)
+    naive, naive_preempted = replay(make_config("naive-evict", eviction), requests)
+    vtoken, vtoken_preempted = replay(make_config("vtoken", eviction), requests)
+    assert native_preempted == naive_preempted == vtoken_preempted == 0
+    shape = [(s.load.num_decode_steps, s.load.num_decoding_requests) for s in native]
+    assert shape == [(s.load.num_decode_steps, s.load.num_decoding_requests) for s in naive]
+    assert shape == [(s.load.num_decode_steps, s.load.num_decoding_requests) for s in vtoken]
+    for native_step, naive_step, vtoken_step in zip(native, naive, vtoken, strict=True):
+        assert native_step.load.num_kv_slots_read == native_step.num_tokens  # native holds every token
+        assert vtoken_step.load.num_kv_slots_read <= naive_step.load.num_kv_slots_read
+        assert vtoken_step.load.num_live_kv_tokens == naive_step.load.num_live_kv_tokens  # same decisions
+        assert naive_step.load.num_live_kv_tokens <= naive_step.load.num_kv_slots_read
+        if not naive_step.has_handed_back:
+            assert naive_step.load.num_kv_slots_read == native_step.load.num_kv_slots_read
+
+
+def test_fifo_eviction_can_leave_vtoken_reading_more_than_naive():
+    """A known limit of lazy hole-fill: under FIFO eviction it moves young tokens into the holes
+    of old blocks; when the old tokens die those blocks stay held by the moved ones, while
+    naive-evict frees them whole, and nothing re-packs them while F stays below theta_F."""
+    requests = [Request("0", 0.0, 33, 162)]
+    eviction = EvictionConfig("streaming_llm", Budget(keep_ratio=0.6, num_sink_tokens=4, num_recent_tokens=8), 16)
+    naive, _ = replay(make_config("naive-evict", eviction), requests)
+    vtoken, _ = replay(make_config("vtoken", eviction), requests)
+    excess = [v.load.num_kv_slots_read - n.load.num_kv_slots_read for n, v in zip(naive, vtoken, strict=True)]
+    assert max(excess) == S  # one block more, at the last step: 145 slots where naive-evict reads 129
+    assert sum(v.load.num_kv_slots_read for v in vtoken) < sum(n.load.num_kv_slots_read for n in naive)
+
+
+def test_compaction_shrinks_the_read_and_the_step_time():
+    """A workload where H2O leaves holes everywhere: vToken's decode reads fewer slots than
+    Naive-Evict's, so its steps are shorter; with the live-tokens model they are not."""
+    requests = [Request(str(i), 0.0, 1200, 400) for i in range(4)]
+    eviction = EvictionConfig("h2o", Budget(keep_ratio=0.3, num_sink_tokens=4, num_recent_tokens=32), 32)
+    naive, _ = replay(make_config("naive-evict", eviction), requests)
+    vtoken, _ = replay(make_config("vtoken", eviction), requests)
+    assert sum(s.load.num_kv_slots_read for s in vtoken) < 0.6 * sum(s.load.num_kv_slots_read for s in naive)
+    config = make_config("vtoken", eviction)
+    extent = SimExecutor(config.model, config.gpu, config.sim, 0)
+    gather = SimExecutor(config.model, config.gpu, replace(config.sim, attention_reads="live-tokens"), 0)
+    naive_s = sum(extent.iteration_time_s(s.load) for s in naive)
+    vtoken_s = sum(extent.iteration_time_s(s.load) for s in vtoken)
+    assert vtoken_s < naive_s
+    assert sum(gather.iteration_time_s(s.load) for s in vtoken) <= sum(gather.iteration_time_s(s.load) for s in naive)
+
+
+def test_fused_steps_charge_one_more_slot_per_request_and_step():
+    config = make_config("native", EvictionConfig())
+    sim = SimExecutor(config.model, config.gpu, config.sim, 0)
+    one = StepLoad(1, 1000, 10, 2, 0, 0)
+    four = StepLoad(4, 1000, 10, 2, 0, 0)
+    per_slot_s = config.model.kv_bytes_per_token / (config.gpu.hbm_bytes_per_s * config.sim.hbm_efficiency)
+    # 4 steps read 1000 + 1002 + 1004 + 1006 slots; each step also pays the weights and the overhead
+    assert sim.iteration_time_s(four) - 4 * sim.iteration_time_s(one) == pytest.approx(12 * per_slot_s)
+
+
+def test_live_tokens_model_charges_only_live_tokens():
+    config = make_config("native", EvictionConfig())
+    extent = SimExecutor(config.model, config.gpu, config.sim, 0)
+    gather = SimExecutor(config.model, config.gpu, SimProfile(attention_reads="live-tokens"), 0)
+    load = StepLoad(1, num_kv_slots_read=4096, num_live_kv_tokens=1024, num_decoding_requests=4,
+                    num_prefill_tokens=0, num_copied_tokens=0)
+    assert extent.iteration_time_s(load) == extent.iteration_time_s(replace(load, num_live_kv_tokens=4096))
+    assert gather.iteration_time_s(load) == extent.iteration_time_s(replace(load, num_kv_slots_read=1024))
+
+
+def test_unknown_attention_model_is_refused():
+    with pytest.raises(ConfigError, match="attention_reads must be one of kv-extent, live-tokens, got 'mask'"):
+        SimProfile(attention_reads="mask")
+
+
+def test_kv_extent_counts_dead_slots_and_stops_at_the_cursor():
+    pool = BlockPool(8, 4)
+    table = TokenTable(0, pool)
+    assert kv_extent(table) == 0
+    table.sync_new_tokens(pool.allocate(4), 14)  # [L L L L][L L L L][L L L L][L L . .]
+    table.evict_tokens([1, 4, 6, 7, 9, 10])  # [L . L L][. L . .][L . . L][L L . .]
+    assert (kv_extent(table), table.num_live_tokens) == (14, 8)
+    table.evict_tokens([12, 13])  # the tail: dead, still held and still read up to the cursor
+    assert kv_extent(table) == 14
