@@ -243,7 +243,7 @@ def test_output_into_an_empty_existing_dir(tmp_path: Path) -> None:
 
 
 def test_a_failed_write_leaves_nothing_half_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken_plot(policy_audit, path: Path) -> None:
+    def broken_plot(report, policy_audit, path: Path) -> None:
         path.write_bytes(b"half a png")
         raise RuntimeError("disk full")
 

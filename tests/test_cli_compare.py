@@ -69,6 +69,29 @@ def test_output_dir_has_json_csv_and_plots(tmp_path):
     assert again.exit_code == 2 and "not empty" in again.output
 
 
+def test_output_csvs_name_their_units_and_keep_counts_integer(tmp_path):
+    import pandas as pd
+
+    out = tmp_path / "run"
+    assert invoke(str(SAMPLE), *SMALL, "--output", str(out)).exit_code == 0
+    variants = pd.read_csv(out / "variants.csv")
+    for column in ("preemptions", "tokens_moved", "blocks_reclaimed", "peak_allocated_blocks", "num_completed"):
+        assert variants[column].dtype.kind == "i", column
+    assert {"tpot_p95_ms", "latency_p95_s", "trapped_gib"} <= set(variants.columns)
+    hist = pd.read_csv(out / "utilization_histogram.csv")
+    assert list(hist.columns) == ["variant", "bin_low_pct", "bin_high_pct", "share_of_blocks"]
+    assert list(hist["bin_low_pct"][:10]) == list(range(0, 100, 10))
+    assert "p95_e2e_latency_s" in pd.read_csv(out / "sweep.csv").columns
+    payload = json.loads((out / "report.json").read_text())
+    for variant in ("native", "naive-evict", "vtoken"):
+        requests = pd.read_csv(out / f"requests_{variant}.csv")
+        assert list(requests.columns) == ["request_id", "arrival_s", "first_token_s", "finish_s", "ttft_s", "e2e_s",
+                                          "num_prompt_tokens", "num_output_tokens", "num_preemptions"]
+        assert len(requests) == payload["variants"][variant]["num_completed"]
+        assert (requests["e2e_s"] >= requests["ttft_s"]).all()
+        assert requests["num_preemptions"].sum() == payload["variants"][variant]["preemptions"]
+
+
 def test_table_output_mentions_every_section():
     result = invoke(str(SAMPLE), *SMALL, "--explain")
     assert result.exit_code == 0, result.output

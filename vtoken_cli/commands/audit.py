@@ -118,6 +118,6 @@ def _writers(result: DeploymentAudit, payload: dict) -> list:
         for idx, report in enumerate(reports):
             for p in report.policies:
                 name = f"histogram_{p.policy}.png" if is_one else f"histogram_{idx}_{p.policy}.png"
-                plots.plot_policy_histogram(p, d / name)
+                plots.plot_policy_histogram(report, p, d / name)
 
     return [json_writer(payload), write_csv, write_plots]

@@ -102,17 +102,31 @@ def compare_command(
 
 
 def _writers(report, payload: dict) -> list:
+    """report.json; variants.csv, utilization_histogram.csv (bin edges in %), sweep.csv,
+    frontier.csv and requests_<variant>.csv (one row per finished request): counts are
+    integers, every column names its unit as the terminal shows it; the plots."""
+
     def write_csv(d: Path) -> None:
         import pandas as pd
 
-        rows = [{"variant": v, **{k: x for k, x in e.items() if not isinstance(x, (list, dict))}} for v, e in payload["variants"].items()]
-        pd.DataFrame(rows).to_csv(d / "variants.csv", index=False)
-        hist = [{"variant": v, "bin": i, "fraction": x} for v, e in payload["variants"].items() for i, x in enumerate(e["utilization_histogram"])]
+        pd.DataFrame([_variant_row(name, r) for name, r in report.runs.items()]).to_csv(d / "variants.csv", index=False)
+        hist = [{"variant": name, "bin_low_pct": 10 * i, "bin_high_pct": 10 * (i + 1), "share_of_blocks": x}
+                for name, r in report.runs.items() for i, x in enumerate(r.utilization_histogram)]
         pd.DataFrame(hist).to_csv(d / "utilization_histogram.csv", index=False)
+        for name, r in report.runs.items():
+            requests = pd.DataFrame([_request_row(record) for record in r.requests], columns=REQUEST_COLUMNS)
+            requests["num_preemptions"] = requests["num_preemptions"].astype("Int64")  # empty where not counted
+            requests.to_csv(d / f"requests_{name}.csv", index=False)
         if report.sweep:
-            pd.DataFrame([asdict(p) for p in report.sweep]).to_csv(d / "sweep.csv", index=False)
+            latency = f"p95_{report.sla.metric}_latency_s" if report.sla is not None else "p95_latency_s"
+            pd.DataFrame([{"variant": p.variant, "concurrency": p.concurrency, "throughput_tok_s": p.throughput_tok_s,
+                           latency: p.p95_s, "preemptions": p.preemptions} for p in report.sweep]
+                         ).to_csv(d / "sweep.csv", index=False)
         if report.frontier is not None:
-            pd.DataFrame([asdict(p) for p in report.frontier.points]).to_csv(d / "frontier.csv", index=False)
+            fr = report.frontier
+            pd.DataFrame([{"variant": p.variant, "concurrency": p.concurrency, "peak_blocks": p.peak_blocks,
+                           "budget_blocks": fr.budget_blocks, "demand_over_budget": p.normalized_demand,
+                           "is_feasible": p.is_feasible} for p in fr.points]).to_csv(d / "frontier.csv", index=False)
 
     def write_plots(d: Path) -> None:
         from vtoken_cli import plots  # matplotlib: imported when a plot is drawn, not at start-up
@@ -124,3 +138,30 @@ def _writers(report, payload: dict) -> list:
             plots.plot_frontier(report, d / "frontier.png")
 
     return [json_writer(payload), write_csv, write_plots]
+
+
+REQUEST_COLUMNS = ("request_id", "arrival_s", "first_token_s", "finish_s", "ttft_s", "e2e_s", "num_prompt_tokens",
+                   "num_output_tokens", "num_preemptions")
+
+
+def _request_row(record) -> dict:
+    return {"request_id": record.request_id, "arrival_s": record.arrival_s, "first_token_s": record.first_token_s,
+            "finish_s": record.finish_s, "ttft_s": record.ttft_s, "e2e_s": record.e2e_s,
+            "num_prompt_tokens": record.num_prompt_tokens, "num_output_tokens": record.num_output_tokens,
+            "num_preemptions": record.num_preemptions}
+
+
+def _variant_row(name: str, r) -> dict:
+    """variants.csv: the terminal's figures in its units (TPOT in ms, trapped in GiB and bytes)."""
+    return {
+        "variant": name, "waste_ratio": r.waste_ratio, "frac_blocks_le_half": r.frac_blocks_le_half,
+        "retained_blocks_per_request": r.retained_blocks_per_request, "peak_allocated_blocks": r.peak_allocated_blocks,
+        "memory_utilization": r.memory_utilization, "trapped_gib": r.trapped_bytes / 2**30,
+        "trapped_bytes": r.trapped_bytes, "tokens_moved": r.tokens_moved, "blocks_reclaimed": r.blocks_reclaimed,
+        "relocation_events": r.relocation_events, "tokens_evicted": r.tokens_evicted,
+        "throughput_tok_s": r.throughput_tok_s, "latency_p50_s": r.latency.p50_s, "latency_p95_s": r.latency.p95_s,
+        "latency_p99_s": r.latency.p99_s, "ttft_p50_s": r.ttft.p50_s, "ttft_p95_s": r.ttft.p95_s,
+        "tpot_p50_ms": 1000 * r.tpot.p50_s, "tpot_p95_ms": 1000 * r.tpot.p95_s, "preemptions": r.preemptions,
+        "num_requests": r.num_requests, "num_completed": r.num_completed, "num_skipped": len(r.skipped),
+        "makespan_s": r.makespan_s,
+    }
