@@ -12,3 +12,10 @@ def one_torch_thread():
 
     with torch_threads(1):
         yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_run_cache(tmp_path_factory, monkeypatch):
+    """Every test replays what it asks for: the on-disk run cache (vtoken/cache.py) starts empty
+    in a directory of its own, so a result cached by one test never stands in for another's."""
+    monkeypatch.setenv("VTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("run-cache")))
