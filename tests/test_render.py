@@ -155,3 +155,22 @@ def test_demand_shows_the_digits_that_tell_over_from_within():
     assert demand_text(0.9999, True) == "0.9999"
     assert demand_text(1.0, True) == "1.00"
     assert demand_text(0.5, True) == "0.50"
+
+
+@pytest.mark.parametrize("command, usage", [
+    ("compare", "vtoken compare [OPTIONS] {TRACE}"), ("check-invariants", "vtoken check-invariants [OPTIONS] [TRACE]"),
+    ("audit", "vtoken audit [OPTIONS] {DEPLOYMENT}..."), ("serve", "vtoken serve [OPTIONS] {MODEL}"),
+])
+def test_help_names_the_argument_and_gives_examples_and_exit_codes(command, usage):
+    from typer.testing import CliRunner
+
+    from vtoken_cli.app import app
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    assert usage in result.stdout
+    assert "Examples" in result.stdout and f"vtoken {command} " in result.stdout
+    assert "Exit codes" in result.stdout and "  2  bad input" in result.stdout
+    assert "…" not in result.stdout.split("Arguments")[0]  # the text above typer's option panels
+    schema = {"compare": "input_length   int > 0, required", "audit": "num_gpu_blocks = 4096"}.get(command)
+    assert schema is None or schema in result.stdout

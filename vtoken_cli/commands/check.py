@@ -35,7 +35,8 @@ SIM_LIMITS = default_limits("sim")
 
 def check_command(
     trace: Annotated[Optional[Path], typer.Argument(
-        help="Trace to replay. Default: every bundled sample trace (sample_traces/).", show_default=False)] = None,
+        help="Trace to replay. Default: every bundled sample trace (sample_traces/).", metavar="TRACE",
+        show_default=False)] = None,
     policy: Annotated[str, typer.Option(
         help=f"Policy, comma-separated policies, or 'all' ({', '.join(DEFAULT_AUDIT_POLICIES)}). "
              f"Known: {POLICY_NAMES}.")] = "all",
@@ -85,8 +86,20 @@ def check_command(
     output: Output = None,
     force: Force = False,
 ) -> None:
-    """Replay traces through the vtoken runtime with materialized KV and check the substrate
-    invariants I1-I4 on every relocation event; exit 1 on any violation."""
+    r"""Replay TRACE (default: every bundled sample trace) through the vtoken runtime with
+    materialized KV and check the substrate invariants I1-I4 on every relocation event.
+
+    [bold]Examples[/bold]
+      vtoken check-invariants
+      vtoken check-invariants trace.jsonl --inject-fault stale-slot
+
+    [bold]Exit codes[/bold]
+      0  every invariant held
+      1  an invariant was violated (with --inject-fault: the fault was caught)
+      2  bad input, or nothing was checked
+
+    TRACE: any format `vtoken compare --help` describes (native JSONL and others).
+    """
     from vtoken.checker import CheckOptions, check_invariants, num_progress_units, report_to_json
 
     limits = default_limits(executor)

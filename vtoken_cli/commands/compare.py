@@ -32,7 +32,8 @@ from vtoken_cli.render.compare import compare_report, hf_report
 
 
 def compare_command(
-    trace: Annotated[Path, typer.Argument(help="Request trace: native JSONL, Mooncake JSONL, Azure CSV or ShareGPT JSON.")],
+    trace: Annotated[Path, typer.Argument(
+        help="Request trace: native JSONL (above), Mooncake JSONL, Azure CSV or ShareGPT JSON.", metavar="TRACE")],
     policy: Policy = defaults.POLICY,
     budget: Budget = defaults.BUDGET,
     model: Model = defaults.MODEL,
@@ -69,8 +70,33 @@ def compare_command(
     cache_dir: CacheDir = None,
     no_cache: NoCache = False,
 ) -> None:
-    """Replay TRACE with the three variants (native, naive-evict, vtoken) and compare memory
-    waste, throughput, latency percentiles, SLA-feasible concurrency and the capacity frontier."""
+    r"""Replay TRACE with the three variants (native, naive-evict, vtoken) and compare memory
+    waste, throughput, latency percentiles, SLA-feasible concurrency and the capacity frontier.
+
+    [bold]Examples[/bold]
+      vtoken compare sample_traces/azure_conv_sample.csv --num-blocks 2000
+      vtoken compare trace.jsonl --policy tova --budget 1024 --output runs/tova
+
+    [bold]Exit codes[/bold]
+      0  the comparison ran
+      2  bad input (a flag, the trace, the output directory) or nothing measured
+
+    [bold]Native JSONL trace[/bold] (--trace-format jsonl; auto: JSON lines without hash_ids)
+      One JSON object a line; blank lines are skipped, other keys ignored.
+      timestamp      number, required  arrival, seconds (--time-unit ms: milli-
+                                       seconds); rebased: the first arrives at 0
+      input_length   int > 0, required prompt tokens
+      output_length  int > 0, required tokens to generate
+      request_id     string or int     unique; default: the line number
+      prompt         string            prompt text (hf encodes it; else random)
+      prefix_id      string or int     requests with one prefix_id share their
+      prefix_length  int               first prefix_length prompt tokens: 0 <
+                                       prefix_length < input_length, the same for
+                                       every request of the prefix_id
+      {"timestamp": 0.0, "input_length": 812, "output_length": 128}
+      {"request_id": "b", "timestamp": 0.4, "input_length": 900,
+       "output_length": 64, "prefix_id": "sys", "prefix_length": 512}   (one line)
+    """
     replayer = make_replayer(executor, model=model, gpu_mem_util=gpu_mem_util,
                              on_status=lambda message: stderr.print(message, highlight=False),
                              runner=make_runner(workers, ray), cache=build_cache(cache_dir, no_cache))

@@ -17,7 +17,7 @@ from vtoken_cli.options import (
 
 
 def serve_command_line(
-    model: Annotated[str, typer.Argument(help="Model folder or Hugging Face name vLLM can load.")],
+    model: Annotated[str, typer.Argument(help="Model folder or Hugging Face name vLLM can load.", metavar="MODEL")],
     variant: Annotated[str, typer.Option(help=f"Variant: {', '.join(VARIANTS)}.")] = defaults.VARIANT,
     policy: Policy = defaults.VLLM_POLICY,
     budget: Budget = defaults.BUDGET,
@@ -38,9 +38,19 @@ def serve_command_line(
     vllm_arg: Annotated[Optional[list[str]], typer.Option("--vllm-arg", help="Extra argument for the vLLM server (repeatable).")] = None,
     print_command: Annotated[bool, typer.Option(help="Print the server command line and exit.")] = False,
 ) -> None:
-    """Start vLLM's OpenAI-compatible server with vToken's scheduler and worker. Its /metrics
-    carries vtoken_* metrics (waste ratio, live tokens, blocks reclaimed, tokens moved, ...),
-    which `vtoken audit URL` reads."""
+    """Start vLLM's OpenAI-compatible server on MODEL with vToken's scheduler and worker. Its
+    /metrics carries vtoken_* metrics (waste ratio, live tokens, blocks reclaimed, tokens moved,
+    ...), which `vtoken audit URL` reads.
+
+    [bold]Examples[/bold]
+      vtoken serve smollm2-135m --print-command
+      vtoken serve /models/llama-3.1-8b --policy h2o --budget 50% --port 8000
+
+    [bold]Exit codes[/bold]
+      0  the server stopped cleanly, or --print-command
+      2  bad input
+      *  otherwise the vLLM server's own exit code
+    """
     check_serve_flags(variant=variant, budget=budget, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                       theta_f=theta_f)
     check_positive({"--kv-cache-bytes": kv_cache_bytes, "--num-blocks": num_blocks, "--max-model-len": max_model_len,
