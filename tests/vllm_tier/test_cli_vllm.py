@@ -75,7 +75,8 @@ def test_a_caught_fault_in_table_form_names_the_invariant_and_the_run():
     text = " ".join(console.file.getvalue().split())
     assert "fault stale-slot: injected 3 times; detected by I3 (expected I3)" in text
     assert "FAILED I3 violated" in text and "runs stopped early" in text and "inside vLLM's step" in text
-    assert "request 0 reads 193 slots" in text and "block 5, offset 2" in text and "executor vllm (model smollm2-135m" in text
+    assert "request 0 reads 193 slots" in text and "block 5, offset 2" in text
+    assert "model smollm2-135m" in text and "executor vllm;" in text
 
 
 @pytest.mark.skipif(not VLLM_PRESENT, reason="vLLM is not installed: the vLLM tier runs in .venv-vllm")
