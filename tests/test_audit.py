@@ -17,6 +17,7 @@ from vtoken.audit import (
     AuditReport, Overrides, _largest_feasible, audit, bundled_sample_path, load_settings, load_workload,
     measure, report_rows, report_to_json, resolve_deployment, run_config,
 )
+from vtoken.audit.report import room_for_more
 from vtoken.endpoint import OLD_SERVER_HINT
 from vtoken.engine import run_sim
 from vtoken.errors import ConfigError, EndpointError, TraceError
@@ -261,7 +262,6 @@ def test_reclaimable_memory_is_the_trapped_difference(small_report: AuditReport)
         naive, vtoken = p.runs["naive-evict"], p.runs["vtoken"]
         assert p.reclaimable_bytes == max(0.0, naive.trapped_bytes - vtoken.trapped_bytes)
         assert p.reclaimable_blocks == p.reclaimable_bytes / block_bytes
-        assert p.room_for_more_requests == math.floor(p.reclaimable_blocks / vtoken.retained_blocks_per_request)
         assert sum(naive.utilization_histogram) == pytest.approx(1.0)
     # H2O scatters its victims: vToken's compaction must give back memory and blocks per request.
     assert h2o.reclaimable_blocks > 10
@@ -298,7 +298,9 @@ def test_verdict_names_the_worst_and_the_least_affected_policy(small_report: Aud
     verdict = small_report.verdict
     assert verdict.startswith(f"With H2O at 50%, {100 * h2o.evicted.frac_blocks_le_half:.0f}% of allocated blocks")
     assert f"vToken frees {h2o.reclaimable_bytes / 2**30:.2f} GiB ({h2o.reclaimable_blocks:.0f} blocks)" in verdict
-    assert f"room for {h2o.room_for_more_requests} more concurrent request" in verdict
+    num_more, _ = room_for_more(h2o)
+    assert num_more == h2o.capacity["vtoken"].max_concurrency - h2o.capacity["naive-evict"].max_concurrency
+    assert f"room for {num_more} more concurrent request" in verdict
     assert "Least affected: StreamingLLM" in verdict
 
 

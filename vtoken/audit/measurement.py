@@ -9,7 +9,7 @@ definitions that are the audit's own (`vtoken.audit.report.DEFINITIONS`, printed
 - reclaimable bytes = max(0, trapped(naive-evict) - trapped(vtoken)): both runs make the same
   eviction decisions, so this is the memory vToken's compaction returns to the free pool on
   average; reclaimable blocks = reclaimable bytes / KV bytes per block.
-- room for more requests = floor(reclaimable blocks / vtoken's retained blocks per request).
+- room for more requests: vtoken's max concurrency minus naive-evict's (`report.room_for_more`).
 - max concurrency (per variant): the largest C <= frontier_max_concurrency at which C requests
   all resident from t = 0 never need more blocks than the budget (`analysis.frontier`), found
   by a galloping bisection that assumes feasibility is monotone in C.
@@ -17,7 +17,6 @@ definitions that are the audit's own (`vtoken.audit.report.DEFINITIONS`, printed
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -47,7 +46,6 @@ class PolicyAudit:
     capacity: Mapping[str, Capacity]
     reclaimable_bytes: float
     reclaimable_blocks: float
-    room_for_more_requests: int
 
     @property
     def evicted(self) -> RunResult:
@@ -126,9 +124,7 @@ def _policy_audit(policy: str, runs: dict[str, RunResult], capacity: dict[str, C
                   deployment: Deployment) -> PolicyAudit:
     reclaimable_bytes = max(0.0, runs["naive-evict"].trapped_bytes - runs["vtoken"].trapped_bytes)
     reclaimable_blocks = reclaimable_bytes / deployment.kv_bytes_per_block
-    per_request = runs["vtoken"].retained_blocks_per_request
-    room = math.floor(reclaimable_blocks / per_request) if per_request > 0 else 0
-    return PolicyAudit(policy, runs, capacity, reclaimable_bytes, reclaimable_blocks, room)
+    return PolicyAudit(policy, runs, capacity, reclaimable_bytes, reclaimable_blocks)
 
 
 # ---- capacity: the largest concurrency that fits ------------------------------------------------
