@@ -1,7 +1,10 @@
 """Speed of the sim runtime: the paper's capacity-frontier experiment and the whole Azure
-conversation trace through all three variants at C=32. Host seconds, not a test.
+conversation trace through all three variants at C=32. Host seconds, not a test. Then what
+packing under memory pressure costs on the paper's capacity setup (H2O keeping 8,192 tokens,
+the largest C each budget holds, all resident from t = 0): tokens copied per freed block and
+per generated token, and the critical-path copy time per step from the sim's copy cost.
 
-    python benchmarks/bench_compare.py [--azure ../shared/traces/azure_llm_2023_conv.csv]
+    python benchmarks/bench_compare.py [--azure ../shared/traces/azure_llm_2023_conv.csv] [--only-pressure]
 """
 
 from __future__ import annotations
@@ -10,8 +13,12 @@ import argparse
 import time
 from pathlib import Path
 
+from dataclasses import replace
+
 from vtoken.analysis import frontier, run_variants
-from vtoken.engine import RunConfig
+from vtoken.engine import RunConfig, Runtime, SimExecutor
+from vtoken.engine.config import EvictionConfig
+from vtoken.policies.base import Budget
 from vtoken.hardware import resolve_gpu
 from vtoken.model_spec import resolve_model
 from vtoken.trace import load_trace
@@ -22,7 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--azure", default=str(ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"))
+    parser.add_argument("--only-pressure", action="store_true", help="only the pressure packing's cost")
     args = parser.parse_args()
+    if args.only_pressure:
+        return pressure_cost()
     base = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=5427)
     paper = load_trace(ROOT / "sample_traces" / "paper_frontier.jsonl").requests
     for budget, concurrencies in ((5427, range(1, 13)), (11519, range(1, 25))):
@@ -41,6 +51,45 @@ def main() -> None:
     for name, r in results.items():
         print(f"  {name:12s} F={r.waste_ratio:.3f} le_half={r.frac_blocks_le_half:.3f} tok/s={r.throughput_tok_s:.0f} "
               f"p95={r.latency.p95_s:.2f}s moved={r.tokens_moved} host={r.host_time_s:.1f}s")
+
+    pressure_cost()
+
+
+class CopyTimingSim(SimExecutor):
+    """The sim executor, adding up the copy time: all of it, and what it charges (the part past
+    the post-forward overlap window)."""
+
+    copy_s = 0.0
+    raw_copy_s = 0.0
+
+    def execute(self, batch, load):
+        self.copy_s += self.copy_time_s(load.num_copied_tokens)
+        self.raw_copy_s += 2 * load.num_copied_tokens * self.model.kv_bytes_per_token / self._kv_rate
+        return super().execute(batch, load)
+
+
+def pressure_cost() -> None:
+    paper = load_trace(ROOT / "sample_traces" / "paper_frontier.jsonl").requests
+    eviction = EvictionConfig("h2o", Budget.parse("8192"))
+    for budget, concurrency in ((5427, 10), (11519, 22)):
+        batch = [replace(paper[0], request_id=f"r{i}") for i in range(concurrency)]
+        config = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=budget,
+                           eviction=eviction, concurrency=None, admit_all_at_start=True)
+        executor = CopyTimingSim(config.model, config.gpu, config.sim, config.seed)
+        runtime = Runtime(config, batch, executor)
+        result = runtime.run()
+        num_generated = sum(r.num_output_tokens for r in batch)
+        print(f"pressure packing, budget {budget} blocks, C={concurrency}: {result.num_completed} completed, "
+              f"{result.preemptions} preempted, peak {result.peak_allocated_blocks} blocks")
+        for trigger, work in runtime.reclaim_work.items():
+            per_block = work.num_tokens_moved / work.num_blocks_freed if work.num_blocks_freed else 0.0
+            print(f"  {trigger:8s} {work.num_rounds} rounds, {work.num_plans} plans, {work.num_blocks_freed} blocks freed, "
+                  f"{work.num_tokens_moved} tokens copied: {per_block:.1f} per freed block, "
+                  f"{work.num_tokens_moved / num_generated:.3f} per generated token")
+        print(f"  copy time: {1e6 * executor.raw_copy_s / result.num_iterations:.2f} us per iteration, "
+              f"{1e6 * executor.raw_copy_s / result.num_decode_steps:.3f} us per decode step; on the critical path "
+              f"{1e6 * executor.copy_s / result.num_iterations:.2f} us per iteration ({result.num_iterations} "
+              f"iterations, {result.num_decode_steps} decode steps, makespan {result.makespan_s:.1f} s)")
 
 
 if __name__ == "__main__":

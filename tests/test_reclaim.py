@@ -361,3 +361,33 @@ def test_every_plan_is_safe_frees_what_it_says_and_keeps_every_live_token(layout
         assert pool.num_free_blocks == num_free_before + plan.num_blocks_freed
     np.testing.assert_array_equal(table.live_token_ids(), live_before)
     check_unique_mapping(pool, [table])
+
+
+# ---- under memory pressure ---------------------------------------------------------------
+
+
+def test_shortfall_counts_the_needed_blocks_and_the_reserve() -> None:
+    pool = BlockPool(32, S)
+    pool.allocate(26)  # 6 free
+    reclaimer = Reclaimer(ReclaimConfig(pressure_reserve_blocks=2), pool)
+    assert [reclaimer.num_blocks_short(n) for n in (0, 4, 5, 9)] == [0, 0, 1, 5]
+    assert Reclaimer(ReclaimConfig(), BlockPool(1000, S)).num_pressure_reserve_blocks == 10  # 1% of the pool
+    assert Reclaimer(ReclaimConfig(), BlockPool(32, S)).num_pressure_reserve_blocks == 1
+
+
+def test_plan_to_free_stops_at_the_shortfall() -> None:
+    pool = BlockPool(32, S)
+    a = make_layout("L...", "L...", "LL..", "LLLL", "LLLL", tail="L", pool=pool, req_id=0)
+    b = make_layout("L...", "LL..", "LLLL", tail="L", pool=pool, req_id=1)
+    reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill"), pool)
+    assert sum(p.num_blocks_freed for p in reclaimer.plan([a, b])) == 3  # a gives 2, b gives 1
+    (plan,) = reclaimer.plan_to_free([a, b], frozenset(), 1)
+    assert (plan.req_id, plan.src_block_ids.tolist(), plan.num_tokens_moved) == (0, [4], 4)
+    plans = reclaimer.plan_to_free([a, b], frozenset(), 3)
+    assert [(p.req_id, p.num_blocks_freed) for p in plans] == [(0, 2), (1, 1)]
+    assert reclaimer.plan_to_free([a, b], frozenset({0}), 1)[0].req_id == 1
+
+
+def test_bad_pressure_reserve_raises() -> None:
+    with pytest.raises(ConfigError, match="pressure reserve must be >= 0 blocks, got -1"):
+        ReclaimConfig(pressure_reserve_blocks=-1)

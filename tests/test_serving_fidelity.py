@@ -3,7 +3,9 @@ in held blocks included, so only compaction makes it cheaper.
 
 Property tests over random workloads and eviction settings, on the same admitted requests and
 no preemption: per step, vToken's KV read is never above Naive-Evict's, and Naive-Evict's
-equals Native's while no block has been handed back (no block fully dead yet).
+equals Native's while no block has been handed back (no block fully dead yet). And the
+reclaimer's packing under memory pressure runs only when memory is short: an admission waits
+for blocks, or the free pool is below the next steps' growth plus the reserve.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from vtoken.engine.executor import StepLoad, kv_extent
 from vtoken.errors import ConfigError
 from vtoken.hardware import resolve_gpu
 from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.model_spec import resolve_model
 from vtoken.policies import POLICIES
@@ -159,3 +162,57 @@ def test_kv_extent_counts_dead_slots_and_stops_at_the_cursor():
     assert (kv_extent(table), table.num_live_tokens) == (14, 8)
     table.evict_tokens([12, 13])  # the tail: dead, still held and still read up to the cursor
     assert kv_extent(table) == 14
+
+
+# ---- packing under memory pressure -----------------------------------------------------------
+
+
+class WatchedReclaimer(Reclaimer):
+    """A reclaimer that checks, at every pressure round, that memory was short."""
+
+    runtime: Runtime
+
+    def plan_to_free(self, tables, busy_req_ids, num_blocks):
+        sched, config = self.runtime.scheduler, self.runtime.config
+        num_growth = sched.num_blocks_to_grow(list(sched.running), config.max_fused_steps)  # >= the round's steps
+        admission_waits = sched.num_blocks_to_admit_next() > 0
+        assert admission_waits or self.num_admissible_blocks() < num_growth + self.num_pressure_reserve_blocks
+        plans = super().plan_to_free(tables, busy_req_ids, num_blocks)
+        assert sum(p.num_blocks_freed for p in plans) <= num_blocks  # hole-fill: no further than asked
+        self.runtime.num_checked_rounds += 1
+        return plans
+
+
+def watched_run(config: RunConfig, requests: list[Request]) -> Runtime:
+    runtime = Runtime(config, requests, SimExecutor(config.model, config.gpu, config.sim, config.seed),
+                      planner_factory=WatchedReclaimer)
+    runtime.reclaimer.runtime = runtime
+    runtime.num_checked_rounds = 0
+    runtime.run()
+    return runtime
+
+
+@settings(max_examples=30, deadline=None)
+@given(requests=workloads, budget=budgets, num_blocks=st.integers(30, 120), concurrency=st.integers(1, 8),
+       theta_f=st.sampled_from([0.05, 0.25, 0.9]))
+def test_pressure_packing_runs_only_when_memory_is_short(requests, budget, num_blocks, concurrency, theta_f):
+    config = make_config("vtoken", EvictionConfig("h2o", budget, 16), num_blocks=num_blocks, concurrency=concurrency,
+                         reclaim=ReclaimConfig(theta_f=theta_f))
+    runtime = watched_run(config, requests)
+    assert runtime.num_checked_rounds == runtime.reclaim_work["pressure"].num_rounds
+
+
+def test_pressure_packing_avoids_the_preemptions_lazy_packing_leaves():
+    """theta_F = 0.9: the lazy trigger never fires; pressure alone packs, as far as the pool needs."""
+    requests = [Request(str(i), 0.0, 200, 600) for i in range(6)]
+    eviction = EvictionConfig("h2o", Budget(keep_ratio=0.5, num_sink_tokens=4, num_recent_tokens=32), 32)
+    tight = {"num_blocks": 190, "concurrency": 6, "reclaim": ReclaimConfig(theta_f=0.9)}
+    naive, naive_preempted = replay(make_config("naive-evict", eviction, **tight), requests)
+    runtime = watched_run(make_config("vtoken", eviction, **tight), requests)
+    assert naive_preempted > 0
+    assert runtime.counters.preemptions == 0
+    assert runtime.reclaim_work["lazy"].num_plans == 0
+    pressure = runtime.reclaim_work["pressure"]
+    assert pressure.num_rounds == runtime.num_checked_rounds > 0
+    assert pressure.num_blocks_freed == runtime.counters.blocks_reclaimed
+    assert pressure.num_tokens_moved <= S * pressure.num_blocks_freed  # hole-fill: at most a block's worth each

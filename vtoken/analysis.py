@@ -4,10 +4,14 @@ the capacity frontier, and repeats with confidence intervals.
 - SLA threshold = `sla_factor` x the Naive-Evict p95 of `sla_metric` at concurrency C_ref.
 - C_sel per variant = the swept concurrency with the highest throughput whose p95 stays within
   the threshold (None when none does).
-- Capacity frontier: C requests all resident from t = 0 in an unbounded pool; the peak number
-  of allocated blocks is the block demand; concurrency C is feasible when demand <= budget (no
-  request would have been preempted). `max_feasible_concurrency` is the largest C such that it
-  and every smaller swept C are feasible.
+- Capacity frontier: C requests all resident from t = 0. Their block demand is the peak number
+  of allocated blocks in an unbounded pool; C is feasible when demand <= budget (no request
+  would have been preempted). A variant that packs under memory pressure (vtoken) only packs
+  as far as the budget requires, which an unbounded pool never does: where its unbounded
+  demand exceeds the budget but the prompts fit, it is replayed in the budget itself, and C is
+  feasible when no request was preempted and every one completed (its demand is then its peak
+  in the budget).
+  `max_feasible_concurrency` is the largest C such that it and every smaller swept C are feasible.
 - Repeats: every headline figure over N seeds, mean and a 95% Student-t interval.
 
 The sweep's replays are independent and go to a replayer's `run_many` as one batch (local
@@ -136,7 +140,8 @@ def sla_selection(points: Sequence[SweepPoint], metric: str = "e2e", factor: flo
 def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
              variants: Sequence[str] = VARIANTS, progress: Progress | None = None, *,
              replay: Replay = run_sim) -> Frontier:
-    """Block demand of C co-resident requests (the first C of `requests`, cycled if fewer)."""
+    """Block demand and feasibility of C co-resident requests (the first C of `requests`,
+    cycled if fewer), per variant: see the module docstring."""
     budget = base.num_blocks
     points = []
     for concurrency in concurrencies:
@@ -147,10 +152,27 @@ def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequen
             config = replace(base, variant=variant, concurrency=None, admit_all_at_start=True,
                              num_blocks=max(budget, unbounded), max_num_seqs=max(base.max_num_seqs, concurrency))
             peak = replay(config, batch).peak_allocated_blocks
-            points.append(FrontierPoint(variant, concurrency, peak, peak / budget, peak <= budget))
+            point = FrontierPoint(variant, concurrency, peak, peak / budget, peak <= budget)
+            if not point.is_feasible and config.reclaims and _num_prompt_blocks(batch, base.block_size) <= budget:
+                point = _in_budget(replay(replace(config, num_blocks=budget), batch), point, budget)
+            points.append(point)
             if progress:
                 progress(f"frontier C={concurrency}", 1)
     return Frontier(budget, tuple(points), _max_feasible(points, variants), _ideal_max(base, requests, budget))
+
+
+def _num_prompt_blocks(batch: Sequence[Request], block_size: int) -> int:
+    """Blocks the prompts take at t = 0, each its own (a shared prefix counted per request)."""
+    return sum(-(-r.num_prompt_tokens // block_size) for r in batch)
+
+
+def _in_budget(result: RunResult, unbounded: FrontierPoint, budget: int) -> FrontierPoint:
+    """The point of a replay in the budget: feasible when it preempted nothing and completed
+    every request; an infeasible one keeps its unbounded demand."""
+    if result.preemptions or result.skipped or result.num_completed < result.num_requests:
+        return unbounded
+    peak = result.peak_allocated_blocks
+    return FrontierPoint(unbounded.variant, unbounded.concurrency, peak, peak / budget, True)
 
 
 def _max_feasible(points: Sequence[FrontierPoint], variants: Sequence[str]) -> dict[str, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +37,21 @@ from vtoken.policies import make_policy
 from vtoken.trace import Request
 
 PlannerFactory = Callable[[ReclaimConfig, BlockPool], Reclaimer]
+
+
+@dataclass(frozen=True)
+class ReclaimWork:
+    """What one reclamation trigger (lazy or pressure) planned over a run."""
+
+    num_rounds: int = 0  # times the trigger fired
+    num_plans: int = 0
+    num_tokens_moved: int = 0
+    num_blocks_freed: int = 0
+
+    def plus(self, plans: Sequence[RelocationPlan]) -> ReclaimWork:
+        return ReclaimWork(self.num_rounds + 1, self.num_plans + len(plans),
+                           self.num_tokens_moved + sum(p.num_tokens_moved for p in plans),
+                           self.num_blocks_freed + sum(p.num_blocks_freed for p in plans))
 
 
 class Runtime:
@@ -75,6 +91,7 @@ class Runtime:
         self.num_decode_steps = 0
         self._num_copied_tokens = 0
         self._busy_req_ids: frozenset[int] = frozenset()
+        self.reclaim_work = {"lazy": ReclaimWork(), "pressure": ReclaimWork()}  # by trigger
 
     # ---- the spine ---------------------------------------------------------------------------
 
@@ -110,15 +127,16 @@ class Runtime:
         sched.collect_arrivals(self.now_s)
         for state in list(sched.waiting)[before:]:
             self.recorder.record_arrival(state.arrival_s)
-        admissible = self.pool.num_free_blocks
-        if self.reclaimer is not None and sched.running:
-            admissible = self.reclaimer.num_admissible_blocks()
         decode = list(sched.running)
+        num_steps = self._num_fusable_steps(decode) if decode else 1
+        admissible = self.pool.num_free_blocks
+        if self.reclaimer is not None and decode:
+            self._pack_under_pressure(decode, num_steps)
+            admissible = self.reclaimer.num_admissible_blocks()
         prefill = sched.admit(admissible, self.now_s)
         for state in prefill:
             self.observer.on_synced(state.table, 0)
-        num_steps = 1 if prefill else self._num_fusable_steps(decode)
-        num_steps = self._make_room(decode, num_steps)
+        num_steps = self._make_room(decode, 1 if prefill else num_steps)
         decode = [s for s in decode if s.table is not None]
         prefill = [s for s in prefill if s.table is not None]
         if not decode and not prefill:
@@ -242,11 +260,26 @@ class Runtime:
 
     # ---- reclamation -------------------------------------------------------------------------
 
-    def _reclaim(self) -> None:
+    def _pack_under_pressure(self, decode: list[ReqState], num_steps: int) -> None:
+        """Memory decides now: when the decodes' next `num_steps` of growth and the admission
+        waiting for blocks do not fit with the reserve to spare, free the shortfall, and no more."""
+        num_needed = self.scheduler.num_blocks_to_grow(decode, num_steps) + self.scheduler.num_blocks_to_admit_next()
+        num_short = self.reclaimer.num_blocks_short(num_needed)
+        if num_short > 0:
+            self._reclaim(num_short)
+
+    def _reclaim(self, num_blocks_short: int | None = None) -> None:
+        """Plan and launch: lazily over everything (None), or under pressure until
+        `num_blocks_short` blocks are freed."""
         tables = [s.table for s in self.scheduler.running]
         busy = frozenset(p.req_id for p in self.copy_engine.in_flight_plans)
         by_id = {t.req_id: t for t in tables}
-        for plan in self.reclaimer.plan(tables, busy):
+        if num_blocks_short is None:
+            plans, trigger = self.reclaimer.plan(tables, busy), "lazy"
+        else:
+            plans, trigger = self.reclaimer.plan_to_free(tables, busy, num_blocks_short), "pressure"
+        self.reclaim_work[trigger] = self.reclaim_work[trigger].plus(plans)
+        for plan in plans:
             table = by_id[plan.req_id]
             check_plan(plan, table, self.pool, busy)
             self.observer.on_plan(plan, table)

@@ -115,7 +115,7 @@ class Scheduler:
             state = self.waiting[0]
             num_tokens = state.request.num_prompt_tokens + state.num_generated
             prefix = self._live_prefix(state)
-            num_needed = -(-num_tokens // self.pool.block_size) - (prefix.block_ids.size if prefix else 0)
+            num_needed = self._num_blocks_to_place(state)
             if num_needed > self.pool.num_blocks:
                 self.waiting.popleft()
                 self.skipped.append((state.request.request_id, f"needs {num_needed} blocks, the budget is {self.pool.num_blocks}"))
@@ -130,6 +130,20 @@ class Scheduler:
             self.running.append(state)
             admitted.append(state)
         return admitted
+
+    def num_blocks_to_admit_next(self) -> int:
+        """Blocks the head of the queue needs to be admitted; 0 when nothing waits, the batch is
+        full (`max_num_seqs`) or the head can never fit (`admit` skips it)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return 0
+        num_needed = self._num_blocks_to_place(self.waiting[0])
+        return num_needed if num_needed <= self.pool.num_blocks else 0
+
+    def _num_blocks_to_place(self, state: ReqState) -> int:
+        """Fresh blocks a waiting request's tokens take (a live shared prefix is not fresh)."""
+        prefix = self._live_prefix(state)
+        num_tokens = state.request.num_prompt_tokens + state.num_generated
+        return -(-num_tokens // self.pool.block_size) - (prefix.block_ids.size if prefix else 0)
 
     def _live_prefix(self, state: ReqState) -> _Prefix | None:
         prefix_id = state.request.prefix_id

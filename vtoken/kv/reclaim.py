@@ -5,6 +5,18 @@ three and mutates nothing: `plan` reads the pool and the token tables and return
 `RelocationPlan`s; the runtime launches the copy and, once it completed, applies the moves to
 the table and frees the sources.
 
+Two triggers. Lazy (the paper's): every k steps, when F >= theta_F and few blocks are free,
+plan over everything (`is_eligible`, `plan`). Under pressure: when the blocks the runtime needs
+now (the next steps' growth of the running requests, and the prompt of the admission waiting
+for blocks) do not fit in the free pool with `pressure_reserve_blocks` to spare, plan now,
+whatever F and the step, and only until that shortfall is freed (`num_blocks_short`,
+`plan_to_free`). The lazy trigger alone leaves a request up to 1 / (1 - theta_F) above its
+packed footprint exactly when memory decides whether a request is admitted or preempted.
+
+    free pool:  |<------------- free ------------->|
+    needed:     |<-- growth + admission -->|<-res->|           fits: no pressure, lazy only
+    needed:     |<---- growth + admission ---->|<-res->|       short by 4: free 4 blocks now
+
 Two planning modes, both only over blocks the request alone owns (never a shared or pinned
 prefix block) and never over the open tail block, where new tokens are being appended:
 
@@ -45,6 +57,9 @@ class ReclaimConfig:
     max_src_blocks: int = 64  # B: source blocks per plan
     headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
     max_moves_per_round: int | None = None  # stop planning a round once its plans move this many tokens
+    # blocks kept free beyond what pressure needs now, so that a packing round lasts a few steps;
+    # default: 1% of the pool, at least 1
+    pressure_reserve_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in RECLAIM_MODES:
@@ -61,6 +76,8 @@ class ReclaimConfig:
             raise ConfigError(f"headroom must be >= 0 blocks, got {self.headroom_blocks}")
         if self.max_moves_per_round is not None and self.max_moves_per_round <= 0:
             raise ConfigError(f"reclaim budget must be > 0 tokens moved per round, got {self.max_moves_per_round}")
+        if self.pressure_reserve_blocks is not None and self.pressure_reserve_blocks < 0:
+            raise ConfigError(f"pressure reserve must be >= 0 blocks, got {self.pressure_reserve_blocks}")
 
     @property
     def num_headroom_blocks(self) -> int:
@@ -94,6 +111,8 @@ class Reclaimer:
         self.config = config
         self.pool = pool
         self.num_low_watermark_blocks = int(np.ceil(config.low_watermark_frac * pool.num_blocks))
+        reserve = config.pressure_reserve_blocks
+        self.num_pressure_reserve_blocks = max(1, -(-pool.num_blocks // 100)) if reserve is None else reserve
 
     def is_eligible(self, step_idx: int) -> bool:
         """Stage 1: every k steps, F >= theta_F and free blocks below the low watermark."""
@@ -107,12 +126,28 @@ class Reclaimer:
         """Stage 2: free blocks admission may take; the headroom stays for destinations."""
         return max(0, self.pool.num_free_blocks - self.config.num_headroom_blocks)
 
+    def num_blocks_short(self, num_blocks_needed: int) -> int:
+        """Stage 1 under pressure: blocks to free now so that `num_blocks_needed` more fit in
+        the admissible pool with the pressure reserve to spare; 0 when they do (no pressure)."""
+        return max(0, num_blocks_needed + self.num_pressure_reserve_blocks - self.num_admissible_blocks())
+
     def plan(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
         """Stage 3: plans for the given requests, most reclaimable first; mutates nothing.
 
         Requests in `busy_req_ids` (a plan in flight) are skipped. Ordered plans stop when the
         free blocks run out.
         """
+        return self._plans(tables, busy_req_ids, None)
+
+    def plan_to_free(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
+                     num_blocks: int) -> list[RelocationPlan]:
+        """Stage 3 under pressure: as `plan`, but only until the plans free `num_blocks` blocks
+        (fewer when the requests cannot give that many). A hole-fill plan takes no more source
+        blocks than the shortfall left, so the copy work is bounded by what the pressure needs."""
+        return self._plans(tables, busy_req_ids, num_blocks)
+
+    def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
+               num_blocks_wanted: int | None) -> list[RelocationPlan]:
         candidates = []
         for table in tables:
             if table.req_id in busy_req_ids or table.max_reclaimable_blocks() <= 0:
@@ -124,18 +159,32 @@ class Reclaimer:
         plans: list[RelocationPlan] = []
         num_dst_used, num_moved = 0, 0
         budget = self.config.max_moves_per_round
+        num_freed = 0
         for _, _, table, movable in candidates:
             if budget is not None and num_moved >= budget:
                 break
+            max_src_blocks = self.config.max_src_blocks
+            if num_blocks_wanted is not None:
+                if num_freed >= num_blocks_wanted:
+                    break
+                max_src_blocks = _src_blocks_to_free(self.config.mode, num_blocks_wanted - num_freed, max_src_blocks)
             if self.config.mode == "hole-fill":
-                plan = plan_hole_fill(table, self.config.max_src_blocks, movable)
+                plan = plan_hole_fill(table, max_src_blocks, movable)
             else:
-                plan = plan_ordered(table, self.config.max_src_blocks, self.pool, num_dst_used, movable)
+                plan = plan_ordered(table, max_src_blocks, self.pool, num_dst_used, movable)
             if plan is not None:
                 plans.append(plan)
                 num_dst_used += plan.dst_new_block_ids.size
                 num_moved += plan.num_tokens_moved
+                num_freed += plan.num_blocks_freed
         return plans
+
+
+def _src_blocks_to_free(mode: str, num_blocks: int, max_src_blocks: int) -> int:
+    """Source blocks a plan may take to free `num_blocks`: hole-fill frees every source it
+    empties, so exactly that many; an ordered plan frees its sources minus its destinations,
+    which depends on their fill, so it keeps the batch size B (the number of plans is bounded)."""
+    return min(max_src_blocks, num_blocks) if mode == "hole-fill" else max_src_blocks
 
 
 @dataclass(frozen=True)
