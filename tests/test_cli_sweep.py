@@ -100,3 +100,22 @@ def test_the_same_key_twice_and_an_unknown_variant_are_refused() -> None:
     assert result.exit_code == 2 and "--vary block_size: given twice" in result.stderr
     result = invoke("--vary", "block_size=8", "--variants", "vtoken,fast")
     assert result.exit_code == 2 and "--variants: unknown variant 'fast'" in result.stderr
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_table_fits_the_terminal_without_cutting(width) -> None:
+    from rich.console import Console
+
+    from vtoken_cli.render.sweep import sweep_table
+
+    base = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=400, gpu_mem_util=0.9, block_size=16,
+                            policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
+                            concurrency=4, seed=0, sim_profile=None)
+    options = SweepOptions((Vary("theta_f", (0.05, 0.25)), Vary("block_size", (16, 32))))
+    report = sweep(load_trace(SAMPLE, max_requests=12), base, options, SimReplayer(), num_blocks=400)
+    console = Console(width=width, record=True)
+    console.print(sweep_table(report))
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+    assert "point 3: theta_f=0.25, block_size=32 (400 blocks)" in text
+    assert "naive-evict" in text
