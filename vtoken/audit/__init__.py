@@ -73,8 +73,8 @@ def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
     """Audit every replica: each target, and each engine of a data-parallel server, on its own.
 
     A server that does not answer (EndpointError) is a `ReplicaFailure` and the others are
-    audited; when none answers, raises EndpointError naming each. Bad input (ConfigError,
-    TraceError) raises at once. Targets are read one after the other, so with a window each
+    audited; when none answers, raises EndpointError naming each (a single target: its own
+    error). Bad input (ConfigError, TraceError) raises at once. Targets are read one after the other, so with a window each
     replica's window follows the last.
     """
     overrides = overrides or Overrides()
@@ -90,6 +90,8 @@ def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
         for deployment in deployments:
             reports.append(_audit_one(deployment, live, gpus, _prefixed(progress, deployment.source)))
     if not reports:
+        if len(failures) == 1:
+            raise EndpointError(failures[0].reason)
         raise EndpointError("no replica answered: " + "; ".join(f.reason for f in failures))
     return DeploymentAudit(tuple(reports), tuple(failures))
 
