@@ -174,3 +174,19 @@ def test_help_names_the_argument_and_gives_examples_and_exit_codes(command, usag
     assert "…" not in result.stdout.split("Arguments")[0]  # the text above typer's option panels
     schema = {"compare": "input_length   int > 0, required", "audit": "num_gpu_blocks = 4096"}.get(command)
     assert schema is None or schema in result.stdout
+
+
+@pytest.mark.parametrize("command", ["compare", "check-invariants", "audit", "sweep", "serve"])
+def test_help_at_80_columns_names_every_option_in_full(command):
+    import typer
+    from typer.testing import CliRunner
+
+    from vtoken_cli.app import app
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    assert "…" not in result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+    params = typer.main.get_command(app).commands[command].params
+    names = [name for p in params if not p.hidden for name in (*p.opts, *p.secondary_opts) if name.startswith("-")]
+    assert names and [n for n in names if n not in result.stdout] == []

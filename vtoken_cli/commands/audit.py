@@ -68,39 +68,42 @@ def audit_command(
     output: Output = None,
     force: Force = False,
 ) -> None:
-    r"""Audit DEPLOYMENT: replay its workload (for a server, what it has served) on its KV block
+    """Audit DEPLOYMENT: replay its workload (for a server, what it has served) on its KV block
     budget with naive eviction and with vToken, per policy, and report the waste, the trapped
     memory and what vToken recovers.
 
-    [bold]Examples[/bold]
+    \b
+    Examples
       vtoken audit deployment.toml
       vtoken audit http://10.0.0.5:8000 http://10.0.0.6:8000 --window 30
 
-    [bold]Exit codes[/bold]
+    \b
+    Exit codes
       0  the audit ran
       2  bad input (the TOML, a flag, a server that does not answer or does not
          say what the audit needs) or nothing measured
 
-    [bold]Deployment TOML[/bold] (unknown sections and keys are errors; paths are
+    \b
+    Deployment TOML (unknown sections and keys are errors; paths are
     relative to the file; a flag replaces the file's value)
-      \[model]      name = "llama-3.1-8b"     a catalog model or an HF id, or
+      [model]      name = "llama-3.1-8b"     a catalog model or an HF id, or
                    config = "config.json"    an HF config.json, or num_layers,
                                              num_kv_heads, head_dim (+ num_atten-
                                              tion_heads, hidden_size, num_params);
                    dtype = "bf16"            the KV cache dtype
-      \[engine]     block_size = 16           tokens per KV block
+      [engine]     block_size = 16           tokens per KV block
                    num_gpu_blocks = 4096     the KV budget, or gpu = "h100" and
                                              gpu_memory_utilization = 0.9
-      \[eviction]   policies = \["h2o"]        default: h2o, streaming_llm,
+      [eviction]   policies = ["h2o"]        default: h2o, streaming_llm,
                                              scissorhands, random
                    budget = "50%"            kept per request: "50%", 0.5 or 512
                    interval_tokens = 32      evict every N generated tokens
-      \[workload]   trace = "trace.jsonl"     default: the bundled Azure sample;
+      [workload]   trace = "trace.jsonl"     default: the bundled Azure sample;
                                              also format, time_unit, max_requests
                    concurrency = 16          closed-loop clients
                    frontier_max_concurrency = 64   largest C the search tries
-      \[endpoint]   url = "http://host:8000"  read the live server too: it gives
-                                             what \[model] and \[engine] leave out,
+      [endpoint]   url = "http://host:8000"  read the live server too: it gives
+                                             what [model] and [engine] leave out,
                                              the workload when no trace is named
                    timeout_s = 5             seconds a scrape may take
                    window_s = 30             scrape twice this far apart: the rate

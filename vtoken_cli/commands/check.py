@@ -86,14 +86,16 @@ def check_command(
     output: Output = None,
     force: Force = False,
 ) -> None:
-    r"""Replay TRACE (default: every bundled sample trace) through the vtoken runtime with
+    """Replay TRACE (default: every bundled sample trace) through the vtoken runtime with
     materialized KV and check the substrate invariants I1-I4 on every relocation event.
 
-    [bold]Examples[/bold]
+    \b
+    Examples
       vtoken check-invariants
       vtoken check-invariants trace.jsonl --inject-fault stale-slot
 
-    [bold]Exit codes[/bold]
+    \b
+    Exit codes
       0  every invariant held
       1  an invariant was violated (with --inject-fault: the fault was caught)
       2  bad input, or nothing was checked

@@ -70,18 +70,21 @@ def compare_command(
     cache_dir: CacheDir = None,
     no_cache: NoCache = False,
 ) -> None:
-    r"""Replay TRACE with the three variants (native, naive-evict, vtoken) and compare memory
+    """Replay TRACE with the three variants (native, naive-evict, vtoken) and compare memory
     waste, throughput, latency percentiles, SLA-feasible concurrency and the capacity frontier.
 
-    [bold]Examples[/bold]
+    \b
+    Examples
       vtoken compare sample_traces/azure_conv_sample.csv --num-blocks 2000
       vtoken compare trace.jsonl --policy tova --budget 1024 --output runs/tova
 
-    [bold]Exit codes[/bold]
+    \b
+    Exit codes
       0  the comparison ran
       2  bad input (a flag, the trace, the output directory) or nothing measured
 
-    [bold]Native JSONL trace[/bold] (--trace-format jsonl; auto: JSON lines without hash_ids)
+    \b
+    Native JSONL trace (--trace-format jsonl; auto: JSON lines without hash_ids)
       One JSON object a line; blank lines are skipped, other keys ignored.
       timestamp      number, required  arrival, seconds (--time-unit ms: milli-
                                        seconds); rebased: the first arrives at 0

@@ -42,11 +42,13 @@ def serve_command_line(
     /metrics carries vtoken_* metrics (waste ratio, live tokens, blocks reclaimed, tokens moved,
     ...), which `vtoken audit URL` reads.
 
-    [bold]Examples[/bold]
+    \b
+    Examples
       vtoken serve smollm2-135m --print-command
       vtoken serve /models/llama-3.1-8b --policy h2o --budget 50% --port 8000
 
-    [bold]Exit codes[/bold]
+    \b
+    Exit codes
       0  the server stopped cleanly, or --print-command
       2  bad input
       *  otherwise the vLLM server's own exit code
