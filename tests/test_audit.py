@@ -494,3 +494,36 @@ def test_policy_names_in_a_deployment_file_are_read_loosely(tmp_path):
     path.write_text(toml.replace('["h2o", "streaming_llm"]', '["H2O", "Streaming-LLM"]'))
     deployment, _ = resolve_deployment(str(path), Overrides())
     assert deployment.policies == ("h2o", "streaming_llm")
+
+
+# ---- the model's context ------------------------------------------------------------------------
+
+
+def test_a_trace_file_loses_the_requests_longer_than_the_models_context(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "max_position_embeddings": 2048}))
+    path = write_toml(tmp_path, f'[model]\nconfig = "config.json"\n[engine]\nnum_gpu_blocks = 700\n'
+                                f'[workload]\ntrace = "{DATA / "native.jsonl"}"\nformat = "jsonl"\n')
+    deployment, _ = resolve_deployment(str(path), Overrides())
+
+    assert deployment.workload.max_model_len == 2048
+    trace = load_workload(deployment.workload)
+    assert [r.num_prompt_tokens + r.num_output_tokens for r in trace.requests] == [55, 120, 2032]
+    assert any("1 request longer than the model's context of 2048" in note for note in trace.notes)
+
+
+def test_the_servers_max_model_len_wins_over_the_models(tmp_path: Path) -> None:
+    with serve(vllm_routes()) as server:
+        path = write_toml(tmp_path, f'[model]\nname = "llama-3.1-8b"\n[workload]\ntrace = "{DATA / "native.jsonl"}"\n'
+                                    f'format = "jsonl"\n[endpoint]\nurl = "{server.url}"\ntimeout_s = 2\n')
+        deployment, live = resolve_deployment(str(path), Overrides())
+
+    assert live.max_model_len == 2048 and deployment.model.max_model_len == 131072
+    assert deployment.workload.max_model_len == 2048
+    assert len(load_workload(deployment.workload).requests) == 3
+
+
+def test_a_model_of_unknown_context_keeps_every_request() -> None:
+    deployment, _ = resolve_deployment(str(DATA / "audit_trace.toml"), Overrides())
+
+    assert deployment.workload.max_model_len is None
+    assert len(load_workload(deployment.workload).requests) == 4

@@ -43,7 +43,7 @@ from vtoken.hardware import GiB, GpuSpec, num_blocks_for_gpu
 from vtoken.model_spec import DTYPE_BYTES, ModelSpec, resolve_model
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, resolve_policy_name
 from vtoken.policies.base import Budget
-from vtoken.trace import Trace, load_trace
+from vtoken.trace import Trace, load_trace, within_context
 
 # vLLM fills gpu_memory_utilization x memory with weights, KV and a reserve (activations, CUDA
 # graphs, workspaces); num_gpu_blocks beside a GPU is contradictory outside this reserve range.
@@ -69,6 +69,7 @@ class Workload:
     replica: ReplicaWorkload | None = None  # the part of it replayed (an engine, or all); None: a file
     seed: int = SEED  # of the synthetic trace
     notes: tuple[str, ...] = ()  # why this workload, what was assumed
+    max_model_len: int | None = None  # tokens; a trace file's longer requests are skipped (None: keep all)
 
     @property
     def source(self) -> str:
@@ -140,7 +141,8 @@ def load_workload(workload: Workload) -> Trace:
 
 def workload_traces(workload: Workload) -> dict[str, Trace]:
     """{"mid": the trace}, and for a server's workload also "low" and "high": the same requests
-    at their buckets' lower and upper bounds (vtoken.audit.workload)."""
+    at their buckets' lower and upper bounds (vtoken.audit.workload). A trace file loses the
+    requests longer than `workload.max_model_len` (with a note): the server would refuse them."""
     if workload.replica is not None:
         num_requests = min(workload.replica.num_requests_observed, MAX_SYNTHETIC_REQUESTS,
                            workload.max_requests or MAX_SYNTHETIC_REQUESTS)
@@ -148,8 +150,9 @@ def workload_traces(workload: Workload) -> dict[str, Trace]:
     if workload.is_bundled_sample and not workload.trace_path.is_file():
         raise ConfigError(f"the bundled sample trace is missing ({workload.trace_path}); give "
                           "workload.trace or --trace")
-    return {"mid": load_trace(workload.trace_path, workload.format, time_unit=workload.time_unit,
-                              max_requests=workload.max_requests)}
+    trace = load_trace(workload.trace_path, workload.format, time_unit=workload.time_unit,
+                       max_requests=workload.max_requests)
+    return {"mid": within_context(trace, workload.max_model_len)}
 
 
 def bundled_sample_path() -> Path:
@@ -248,10 +251,19 @@ def _build(s: Settings, live: LiveState | None, server: ServerWorkload | None = 
     interval_tokens = s.interval_tokens or DEFAULT_INTERVAL_TOKENS
     return Deployment(
         source=s.where, model=model, gpu=gpu, block_size=block_size, num_blocks=num_blocks, policies=policies,
-        budget=budget, interval_tokens=interval_tokens, workload=_workload(s, server, replica, notes),
+        budget=budget, interval_tokens=interval_tokens,
+        workload=replace(_workload(s, server, replica, notes), max_model_len=_max_model_len(model, live)),
         frontier_max_concurrency=s.frontier_max_concurrency or DEFAULT_FRONTIER_MAX_CONCURRENCY,
         seed=s.seed, notes=tuple(notes),
     )
+
+
+def _max_model_len(model: ModelSpec, live: LiveState | None) -> int | None:
+    """The context the replayed requests must fit: the server's (/v1/models) when it says, else
+    the model's (max_position_embeddings); None when neither is known."""
+    if live is not None and live.max_model_len is not None:
+        return live.max_model_len
+    return model.max_model_len
 
 
 def _model(s: Settings, notes: list[str]) -> ModelSpec:
