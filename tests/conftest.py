@@ -17,5 +17,6 @@ def one_torch_thread():
 @pytest.fixture(autouse=True)
 def fresh_run_cache(tmp_path_factory, monkeypatch):
     """Every test replays what it asks for: the on-disk run cache (vtoken/cache.py) starts empty
-    in a directory of its own, so a result cached by one test never stands in for another's."""
-    monkeypatch.setenv("VTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("run-cache")))
+    in a directory of its own, so a result cached by one test never stands in for another's.
+    The rest of vtoken's cache root (the converted SmolLM2) stays the user's."""
+    monkeypatch.setenv("VTOKEN_RUN_CACHE_DIR", str(tmp_path_factory.mktemp("run-cache")))

@@ -21,7 +21,8 @@ from vtoken.engine.hf_oracle import agreement, max_reference_error, until_eos
 from vtoken.hardware import resolve_gpu
 from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.models import load_model
-from vtoken.models.smollm2 import FOLDER_NAME, INSTALL_HINT, cache_root, is_converted
+from vtoken.models.smollm2 import FOLDER_NAME, INSTALL_HINT, is_converted
+from vtoken.paths import cache_root
 from vtoken.policies.base import Budget
 from vtoken.trace import Request
 from vtoken_cli.app import app

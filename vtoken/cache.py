@@ -1,7 +1,7 @@
 """An on-disk cache of sim replays, addressed by a hash of everything that determines one.
 
-    cache = RunCache(directory)        default_cache_dir(): $VTOKEN_CACHE_DIR, else
-                                       $XDG_CACHE_HOME/vtoken/runs, else ~/.cache/vtoken/runs
+    cache = RunCache(directory)        default_cache_dir(): $VTOKEN_RUN_CACHE_DIR, else
+                                       vtoken's cache root (vtoken/paths.py) / runs
     cache.get(job) / cache.put(job, result)
 
 The key is the sha256 of a canonical JSON of:
@@ -38,6 +38,7 @@ import numpy as np
 
 from vtoken import __version__
 from vtoken.metrics import RunResult
+from vtoken.paths import run_cache_dir
 from vtoken.runners import ReplayJob
 
 CACHE_FORMAT = 1  # bump when the stored layout (what is pickled) changes
@@ -45,10 +46,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def default_cache_dir() -> Path:
-    if os.environ.get("VTOKEN_CACHE_DIR"):
-        return Path(os.environ["VTOKEN_CACHE_DIR"]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "vtoken" / "runs"
+    return run_cache_dir()
 
 
 class RunCache:

@@ -4,7 +4,6 @@ converted folder in the user cache (vtoken.models.resolve_model_dir), as a folde
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -21,25 +20,13 @@ from vtoken_cli.app import app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def converted_smollm2() -> Path:
+def smollm2_dir() -> str:
     from vtoken.models.smollm2 import smollm2_dir as find
 
     try:
-        return find()
+        return str(find())
     except ConfigError as exc:
         pytest.skip(f"SmolLM2 not available: {exc}")
-
-
-@pytest.fixture()
-def smollm2_dir(converted_smollm2) -> str:
-    """The converted folder as this test's cache holds it: every test has a VTOKEN_CACHE_DIR of
-    its own (tests/conftest.py), so the user's converted folder is linked into it."""
-    from vtoken.models.smollm2 import FOLDER_NAME, cache_root
-
-    link = cache_root() / FOLDER_NAME
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(converted_smollm2, target_is_directory=True)
-    return str(link)
 
 
 def test_a_folder_resolves_to_itself_and_a_wrong_name_says_what_is_accepted(tiny_model_dir, tmp_path):

