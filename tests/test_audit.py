@@ -310,7 +310,9 @@ def test_progress_counts_every_request_and_search(tmp_path: Path) -> None:
 
     dones = [done for _, done, _ in seen]
     assert dones == sorted(dones)
-    assert seen[-1][1] == seen[-1][2] == 3 * 6 + 3
+    requests = load_workload(resolve_deployment(str(SMALL), TINY)[0].workload).requests
+    assert len(requests) == 6
+    assert seen[-1][1] == seen[-1][2] == 3 * sum(r.num_output_tokens for r in requests) + 3
     assert {stage for stage, _, _ in seen} >= {"native", "h2o naive-evict", "h2o vtoken", "capacity h2o"}
 
 

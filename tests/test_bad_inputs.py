@@ -133,7 +133,7 @@ CASES = {
     "audit-missing-toml": (["audit", "missing.toml"], "missing.toml"),
     "compare-num-blocks-not-a-number": ([*COMPARE, "--num-blocks", "abc"], "'--num-blocks'"),
     "compare-unknown-flag": ([*COMPARE, "--bogus"], "--bogus"),
-    "compare-missing-trace": (["compare"], "Missing argument 'trace'"),
+    "compare-missing-trace": (["compare"], "Missing argument 'TRACE'"),
     "check-seed-not-a-number": ([*CHECK, "--seed", "x"], "'--seed'"),
     "audit-toml-is-a-directory": (["audit", "mine"], "mine: is a directory"),
     "audit-toml-budget-below-protected": (["audit", "low-budget.toml"], "eviction.budget 10 is below"),

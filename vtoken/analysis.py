@@ -30,7 +30,7 @@ from vtoken.engine import VARIANTS, RunConfig, run_sim
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
 from vtoken.runners import OnDone, ReplayJob, SerialRunner, replay_job
-from vtoken.trace import Request
+from vtoken.trace import Request, num_output_tokens
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 12, 16, 22, 32, 48)
 SLA_METRICS = {"e2e": "latency", "ttft": "ttft", "tpot": "tpot"}
@@ -99,7 +99,8 @@ def sweep(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[
     """Every variant at every concurrency, closed loop. `run_many`: how the batch of replays
     runs (a replayer's; default: one after the other in this process)."""
     jobs = sweep_jobs(base, requests, concurrencies, variants)
-    on_done = (lambda idx, result: progress(f"sweep C={jobs[idx].config.concurrency}", 1)) if progress else None
+    on_done = ((lambda idx, result: progress(f"sweep C={jobs[idx].config.concurrency}", num_output_tokens(requests)))
+               if progress else None)
     results = run_many(jobs, on_done) if run_many else SerialRunner().map(replay_job, jobs, on_done)
     return sweep_points(jobs, results, sla_metric)
 
@@ -137,6 +138,11 @@ def sla_selection(points: Sequence[SweepPoint], metric: str = "e2e", factor: flo
     return SlaResult(metric, factor, reference_concurrency, threshold_s, c_sel)
 
 
+def frontier_num_tokens(requests: Sequence[Request], concurrency: int) -> int:
+    """Progress units of one frontier point: the output tokens of its C co-resident requests."""
+    return sum(requests[i % len(requests)].num_output_tokens for i in range(concurrency))
+
+
 def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
              variants: Sequence[str] = VARIANTS, progress: Progress | None = None, *,
              replay: Replay = run_sim) -> Frontier:
@@ -157,7 +163,7 @@ def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequen
                 point = _in_budget(replay(replace(config, num_blocks=budget), batch), point, budget)
             points.append(point)
             if progress:
-                progress(f"frontier C={concurrency}", 1)
+                progress(f"frontier C={concurrency}", num_output_tokens(batch))
     return Frontier(budget, tuple(points), _max_feasible(points, variants), _ideal_max(base, requests, budget))
 
 

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, interval, sla_selection,
-                             sweep_jobs, sweep_points)
+from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, frontier_num_tokens, interval,
+                             sla_selection, sweep_jobs, sweep_points)
 from vtoken.engine import VARIANTS, RunConfig
 from vtoken.engine.hf_compare import MeasuredExtras
 from vtoken.errors import ConfigError
@@ -28,7 +28,7 @@ from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
 from vtoken.replay import Replayer
 from vtoken.runners import ReplayJob
-from vtoken.trace import Request, Trace
+from vtoken.trace import Request, Trace, num_output_tokens
 
 NO_SLA_NOTE = "no SLA selection: --variants leaves out naive-evict, whose p95 sets the SLA"
 
@@ -112,9 +112,9 @@ def _headline_and_sweep(config: RunConfig, requests: tuple[Request, ...], option
 
     def on_done(idx: int, result: RunResult) -> None:
         if idx < len(headline):
-            progress(headline[idx].config.variant, len(requests))
+            progress(headline[idx].config.variant, num_output_tokens(requests))
         else:
-            progress(f"sweep C={swept[idx - len(headline)].config.concurrency}", 1)
+            progress(f"sweep C={swept[idx - len(headline)].config.concurrency}", num_output_tokens(requests))
 
     results = replayer.run_many(headline + swept, on_done if progress else None)
     repeats = [dict(zip(variants, results[i * len(variants):(i + 1) * len(variants)])) for i in range(options.repeats)]
@@ -145,14 +145,16 @@ def supported_options(options: CompareOptions, replayer: Replayer) -> CompareOpt
 
 
 def num_progress_units(trace: Trace, options: CompareOptions, replayer: Replayer) -> int:
-    """Progress units `compare` reports: completed requests, sweep points, frontier points."""
+    """Progress units `compare` reports: the tokens its replays generate (headline, sweep,
+    frontier), each replay's exactly."""
     options = supported_options(options, replayer)
     num_variants = len(options.variants)
-    units = options.repeats * num_variants * len(trace.requests)
+    num_tokens = num_output_tokens(trace.requests)
+    units = options.repeats * num_variants * num_tokens
     if options.with_sweep:
-        units += len(options.sweep_concurrencies) * num_variants
+        units += len(options.sweep_concurrencies) * num_variants * num_tokens
     if options.with_frontier:
-        units += len(options.concurrencies) * num_variants
+        units += sum(frontier_num_tokens(trace.requests, c) for c in options.concurrencies) * num_variants
     return units
 
 

@@ -32,12 +32,12 @@ from vtoken.errors import ConfigError
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.metrics import RunResult
 from vtoken.runners import OnDone, ReplayJob, Runner, SerialRunner, replay_job
-from vtoken.trace import Request
+from vtoken.trace import Request, num_output_tokens
 
 if TYPE_CHECKING:
     from vtoken.cache import RunCache
 
-Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
+Progress = Callable[[str, int], None]  # (stage description, tokens generated since), as vtoken.analysis
 
 GPU_MEM_UTIL = 0.9  # share of GPU memory for weights + KV (vLLM's gpu_memory_utilization default)
 HF_SKIPPED_NOTE = "--executor hf: no sweep, no frontier (dozens of replays; run them with --executor sim)"
@@ -95,15 +95,15 @@ class SimReplayer:
     def run_variants(self, config: RunConfig, requests: Sequence[Request],
                      progress: Progress | None = None, variants: Sequence[str] = VARIANTS) -> dict[str, RunResult]:
         jobs = [ReplayJob(replace(config, variant=v), tuple(requests)) for v in variants]
-        on_done = (lambda idx, result: progress(variants[idx], len(requests))) if progress else None
+        on_done = (lambda idx, result: progress(variants[idx], num_output_tokens(requests))) if progress else None
         return dict(zip(variants, self.run_many(jobs, on_done)))
 
     def run(self, config: RunConfig, requests: Sequence[Request],
             on_progress: Callable[[int], None] | None = None) -> RunResult:
         """One replay, or the result of the identical one already replayed or cached (the sim
         is deterministic: the same config and requests give the same result). `on_progress`:
-        the number of requests, once it is done."""
-        on_done = (lambda idx, result: on_progress(len(requests))) if on_progress else None
+        the requests' output tokens, once it is done."""
+        on_done = (lambda idx, result: on_progress(num_output_tokens(requests))) if on_progress else None
         return self.run_many([ReplayJob(config, tuple(requests))], on_done)[0]
 
     def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:

@@ -20,6 +20,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from vtoken.errors import TraceError
@@ -104,6 +105,11 @@ def load_trace(
     if not requests:
         raise TraceError(f"{source}: trace has no requests")
     return Trace(tuple(requests), source, fmt, tuple(parsed.notes))
+
+
+def num_output_tokens(requests: Sequence[Request]) -> int:
+    """Tokens a replay of `requests` generates: the unit of progress of every replay."""
+    return sum(r.num_output_tokens for r in requests)
 
 
 def within_context(trace: Trace, max_model_len: int | None) -> Trace:

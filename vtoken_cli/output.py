@@ -28,13 +28,14 @@ import secrets
 import shlex
 import shutil
 import sys
+import time
 import tempfile
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from vtoken import __version__
 from vtoken.errors import ConfigError
@@ -97,10 +98,62 @@ def json_writer(payload: dict, name: str = "report.json") -> Writer:
     return write_json
 
 
-def progress_bar(console: Console, description_width: int) -> Progress:
-    """A transient progress bar (stage, bar, done/total, time) on `console`; use it as a context."""
+PLAIN_INTERVAL_S = 10.0  # a non-terminal stderr gets a progress line at most this often
+
+
+def progress_bar(console: Console, description_width: int, label: str = "vtoken") -> Progress | PlainProgress:
+    """A transient progress bar (stage, bar, done/total, elapsed, ETA) on a terminal `console`;
+    elsewhere a `PlainProgress` line now and then. Use it as a context."""
+    if not console.is_terminal:
+        return PlainProgress(console, label)
     return Progress(TextColumn(f"{{task.description:<{description_width}}}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=True)
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True)
+
+
+class PlainProgress:
+    """Progress for a non-terminal stderr: one plain line at most every `interval_s`, none in
+    the first `interval_s` (a short run prints nothing). The subset of rich's Progress the
+    commands use: add_task, update, and the context."""
+
+    def __init__(self, console: Console, label: str, interval_s: float = PLAIN_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.console, self.label, self.interval_s, self.clock = console, label, interval_s, clock
+        self.started_s = self.last_line_s = clock()
+        self.num_done, self.num_total = 0.0, None
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **_: object) -> int:
+        self.num_total = total
+        return 0
+
+    def update(self, task_id: int, *, advance: float | None = None, completed: float | None = None,
+               total: float | None = None, **_: object) -> None:
+        if total is not None:
+            self.num_total = total
+        self.num_done = completed if completed is not None else self.num_done + (advance or 0)
+        now_s = self.clock()
+        if now_s - self.last_line_s >= self.interval_s:
+            self.last_line_s = now_s
+            self.console.print(self.line(now_s - self.started_s), highlight=False, markup=False)
+
+    def line(self, elapsed_s: float) -> str:
+        if not self.num_total:
+            return f"{self.label}: {self.num_done:,.0f} done, {elapsed_s:.0f} s elapsed"
+        share = min(self.num_done / self.num_total, 1.0)
+        left = f", about {elapsed_s * (1 - share) / share:.0f} s left" if share > 0 else ""
+        return (f"{self.label}: {share:.0%} of {_compact(self.num_total)} tokens, {elapsed_s:.0f} s elapsed{left}")
+
+
+def _compact(num: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if num >= scale:
+            return f"{num / scale:.1f}{suffix}"
+    return f"{num:.0f}"
 
 
 # ---- the checks ---------------------------------------------------------------------------------

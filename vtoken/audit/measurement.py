@@ -24,7 +24,7 @@ from vtoken.analysis import frontier
 from vtoken.audit.deployment import Deployment
 from vtoken.engine import EvictionConfig, RunConfig, run_sim
 from vtoken.metrics import RunResult
-from vtoken.trace import Request
+from vtoken.trace import Request, num_output_tokens
 
 AUDIT_VARIANTS = ("native", "naive-evict", "vtoken")
 
@@ -67,17 +67,17 @@ class _Tracker:
             self.progress(stage, self.num_done, self.num_total)
 
 
-def num_progress_units(deployment: Deployment, num_requests: int) -> int:
-    """Completed requests of every replay plus one unit per capacity search."""
+def num_progress_units(deployment: Deployment, requests: Sequence[Request]) -> int:
+    """Tokens every replay generates plus one unit per capacity search."""
     num_runs = 1 + 2 * len(deployment.policies)
-    return num_runs * num_requests + num_runs
+    return num_runs * num_output_tokens(requests) + num_runs
 
 
 def measure(deployment: Deployment, requests: Sequence[Request],
             progress: AuditProgress | None = None) -> tuple[PolicyAudit, ...]:
     """Replay `requests` through native once and naive-evict + vtoken per policy, closed loop at
     the workload's concurrency on the deployment's block budget; then search the capacity."""
-    tracker = _Tracker(progress, num_progress_units(deployment, len(requests)))
+    tracker = _Tracker(progress, num_progress_units(deployment, requests))
     base = run_config(deployment, deployment.policies[0])
     native = _replay(replace(base, variant="native"), requests, tracker)
     native_capacity = _capacity(replace(base, variant="native"), requests, deployment, None)
@@ -116,7 +116,7 @@ def _replay(config: RunConfig, requests: Sequence[Request], tracker: _Tracker) -
         tracker.advance(stage, num_units)
 
     result = run_sim(config, requests, on_progress)
-    tracker.advance(stage, len(requests) - num_done)  # skipped requests complete nothing
+    tracker.advance(stage, num_output_tokens(requests) - num_done)  # Runtime.run reports them all
     return result
 
 

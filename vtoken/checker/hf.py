@@ -32,7 +32,7 @@ from vtoken.checker.snapshots import ModelKVSnapshots
 from vtoken.engine.config import RunConfig
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.models import LoadedModel, load_model
-from vtoken.trace import Trace, load_trace
+from vtoken.trace import Trace, load_trace, num_output_tokens
 
 Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
 
@@ -70,7 +70,7 @@ class HFChecker:
 
     def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
         scenarios, _ = build_scenarios(traces, base, options)
-        return sum(len(s.requests) for s in scenarios)
+        return sum(num_output_tokens(s.requests) for s in scenarios)
 
     def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
               progress: Progress | None = None) -> CheckReport:

@@ -40,6 +40,7 @@ from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.reclaim import RelocationPlan
 from vtoken.kv.token_table import TokenTable
+from vtoken.trace import num_output_tokens
 
 I2_EVERY_NUM_FORWARDS = 8  # periodic full I2 scan, besides the one after every relocation
 
@@ -201,7 +202,7 @@ class CheckingObserver:
 
 def run_checked(observer: CheckingObserver, on_progress: Callable[[int], None] | None = None) -> RunCheck:
     """Run the runtime bound to `observer` to the end; what was checked and what failed.
-    `on_progress(n)`: n more requests finished (the rest are reported at the end)."""
+    `on_progress(n)`: n more tokens generated (Runtime.run: they sum to the output tokens)."""
     started = time.perf_counter()
     runtime, scenario, config = observer.runtime, observer.scenario, observer.scenario.config
     num_done = [0]
@@ -212,8 +213,9 @@ def run_checked(observer: CheckingObserver, on_progress: Callable[[int], None] |
             on_progress(n)
 
     stopped = observer.run(count_done)
-    if on_progress is not None and num_done[0] < len(scenario.requests):
-        on_progress(len(scenario.requests) - num_done[0])
+    num_total = num_output_tokens(scenario.requests)
+    if on_progress is not None and num_done[0] < num_total:  # a failed check stops the run early
+        on_progress(num_total - num_done[0])
     return RunCheck(
         scenario=scenario.name, policy=config.eviction.policy, reclaim_mode=config.reclaim.mode,
         block_size=config.block_size, num_blocks=config.num_blocks, num_requests=len(scenario.requests),

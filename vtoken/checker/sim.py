@@ -27,7 +27,7 @@ from vtoken.hardware import num_blocks_for_gpu
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
 from vtoken.model_spec import resolve_model
-from vtoken.trace import Trace, load_trace
+from vtoken.trace import Trace, load_trace, num_output_tokens
 
 Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
 
@@ -47,7 +47,7 @@ class SimChecker:
 
     def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
         scenarios, _ = build_scenarios(traces, self._resolve(base, options), options)
-        return sum(len(s.requests) for s in scenarios)
+        return sum(num_output_tokens(s.requests) for s in scenarios)
 
     def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
               progress: Progress | None = None) -> CheckReport:

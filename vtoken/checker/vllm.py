@@ -31,7 +31,7 @@ from vtoken.checker.scenarios import CheckOptions, bundled_sample_traces, scale_
 from vtoken.engine.config import RunConfig
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.model_spec import model_spec_from_hf_config
-from vtoken.trace import Request, Trace, load_trace
+from vtoken.trace import Request, Trace, load_trace, num_output_tokens
 
 Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
 
@@ -56,7 +56,7 @@ class VllmChecker:
     def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
         self._validate(options)
         requests = [r for t in traces for r in scale_requests(t.requests, options.limits)[0]]
-        return len(VLLM_CHECK_VARIANTS) * len(options.reclaim_modes) * len(requests)
+        return len(VLLM_CHECK_VARIANTS) * len(options.reclaim_modes) * num_output_tokens(requests)
 
     def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
               progress: Progress | None = None) -> CheckReport:
@@ -155,8 +155,8 @@ def _check_run(llm, scenario: str, config: RunConfig, requests: Sequence[Request
     except InvariantError as exc:
         violation = Violation(exc.invariant, str(exc), scenario, config.eviction.policy, config.reclaim.mode,
                               block_id=exc.where.get("block_id"), offset=exc.where.get("offset"))
-    if progress is not None and num_done[0] < len(requests):
-        progress(scenario, len(requests) - num_done[0])
+    if progress is not None and num_done[0] < num_output_tokens(requests):  # skipped or stopped early
+        progress(scenario, num_output_tokens(requests) - num_done[0])
     tracker = scheduler_of(llm).vtoken  # replay() reconfigured the scheduler: this run's tracker
     num_checks = Counter(tracker.num_checks) + (Counter(runner.vtoken_num_checks or {}) - runner_checks_before)
     tallies = {name: Tally(num_checks.get(name, 0), int(violation is not None and violation.invariant == name),

@@ -77,6 +77,7 @@ class Runtime:
             raise TypeError(f"executor {executor.name!r} fuses decode steps but cannot predict their duration")
         self.config = config
         self.executor = executor
+        self.num_output_tokens = sum(r.num_output_tokens for r in requests)  # the progress total
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, list(requests), config.concurrency, config.max_num_seqs,
                                    config.admit_all_at_start, table_factory=table_factory)
@@ -89,6 +90,7 @@ class Runtime:
         self.now_s = 0.0
         self.num_iterations = 0
         self.num_decode_steps = 0
+        self.num_generated_tokens = 0  # over every step, recomputation after a preemption included
         self._num_copied_tokens = 0
         self._busy_req_ids: frozenset[int] = frozenset()
         self.reclaim_work = {"lazy": ReclaimWork(), "pressure": ReclaimWork()}  # by trigger
@@ -96,15 +98,22 @@ class Runtime:
     # ---- the spine ---------------------------------------------------------------------------
 
     def run(self, on_progress: Callable[[int], None] | None = None) -> RunResult:
+        """Replay to the end. `on_progress(n)`: n more tokens generated, as steps complete; the
+        calls sum to the requests' output tokens exactly (a preemption's recomputed tokens are not
+        counted twice, a skipped request's are reported at the end)."""
         started = time.perf_counter()
-        num_done = 0
+        num_total = self.num_output_tokens
+        num_reported = 0
         while self.scheduler.has_work():
             self.step()
-            if on_progress is not None and self.recorder_completed() != num_done:
-                on_progress(self.recorder_completed() - num_done)
-                num_done = self.recorder_completed()
+            num_now = min(self.num_generated_tokens, num_total)
+            if on_progress is not None and num_now > num_reported:
+                on_progress(num_now - num_reported)
+                num_reported = num_now
         for plan in self.copy_engine.drain():
             self._complete(plan)
+        if on_progress is not None and num_reported < num_total:
+            on_progress(num_total - num_reported)
         return self._result(time.perf_counter() - started)
 
     def step(self) -> None:
@@ -210,6 +219,7 @@ class Runtime:
         self.now_s += duration_s
         self.num_iterations += 1
         self.num_decode_steps += batch.num_decode_steps
+        self.num_generated_tokens += len(batch.decode) * batch.num_decode_steps + len(batch.prefill)
         for state in batch.decode:
             state.num_generated += batch.num_decode_steps
         for state in batch.prefill:

@@ -123,7 +123,7 @@ def check_command(
     )
     config = replace(config, reclaim=replace(config.reclaim, check_interval_steps=reclaim_interval))
     traces = [load_trace(trace, trace_format)] if trace is not None else None  # None: the executor's default
-    with progress_bar(stderr, 40) as bar:
+    with progress_bar(stderr, 40, "check-invariants") as bar:
         task = bar.add_task("checking", total=num_progress_units(traces, config, options, model=model))
         report = check_invariants(traces, config, options,
                                   lambda stage, n: bar.update(task, advance=n, description=stage), model=model,

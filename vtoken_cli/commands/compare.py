@@ -116,7 +116,7 @@ def compare_command(
                              sla_ref_concurrency, repeats, sweep, frontier, parse_variants(variants))
     loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests),
                             config.model.max_model_len)
-    with progress_bar(stderr, 22) as bar:
+    with progress_bar(stderr, 22, "compare") as bar:
         task = bar.add_task("replaying", total=num_progress_units(loaded, options, replayer))
         report = compare(loaded, config, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
                          num_blocks=num_blocks)

@@ -81,7 +81,7 @@ def sweep_command(
     replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),
                            cache=build_cache(cache_dir, no_cache))
     loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests)
-    with progress_bar(stderr, 22) as bar:
+    with progress_bar(stderr, 22, "sweep") as bar:
         task = bar.add_task("replaying", total=num_points(base, options) * len(options.variants))
         report = sweep(loaded, base, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
                        num_blocks=num_blocks)

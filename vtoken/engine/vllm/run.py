@@ -106,7 +106,7 @@ def replay(llm, config: RunConfig, requests: Sequence[Request], on_done: Callabl
                 recorder.record_finish(requests[int(output.request_id)], arrival_s,
                                        first_s if first_s is not None else now_s, now_s, num_preemptions=None)
                 if on_done is not None:
-                    on_done(1)
+                    on_done(requests[int(output.request_id)].num_output_tokens)
         recorder.sample(now_s, len(scheduler.vtoken.requests), held_memory(scheduler))
         submit()
     return RunResult.from_recording(
