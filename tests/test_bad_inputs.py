@@ -133,7 +133,7 @@ CASES = {
     "audit-missing-toml": (["audit", "missing.toml"], "missing.toml"),
     "compare-num-blocks-not-a-number": ([*COMPARE, "--num-blocks", "abc"], "'--num-blocks'"),
     "compare-unknown-flag": ([*COMPARE, "--bogus"], "--bogus"),
-    "compare-missing-trace": (["compare"], "Missing argument 'TRACE'"),
+    "compare-no-trace-argument": (["compare"], "Missing argument 'TRACE'"),
     "check-seed-not-a-number": ([*CHECK, "--seed", "x"], "'--seed'"),
     "audit-toml-is-a-directory": (["audit", "mine"], "mine: is a directory"),
     "audit-toml-budget-below-protected": (["audit", "low-budget.toml"], "eviction.budget 10 is below"),
@@ -204,11 +204,11 @@ def test_force_replaces_a_directory_vtoken_wrote(scratch: Path):
     args = [*COMPARE, "--output", "run", "--json"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
-    assert first.stderr.strip().endswith("wrote run/ (report.json, utilization_histogram.csv, "
-                                         "utilization_histograms.png, variants.csv)")
+    written = ["report.json", "requests_naive-evict.csv", "requests_native.csv", "requests_vtoken.csv",
+               "utilization_histogram.csv", "utilization_histograms.png", "variants.csv"]
+    assert first.stderr.strip().endswith(f"wrote run/ ({', '.join(written)})")
     manifest = json.loads((scratch / "run" / ".vtoken-output.json").read_text())
-    assert manifest["files"] == ["report.json", "utilization_histogram.csv", "utilization_histograms.png",
-                                 "variants.csv"]
+    assert manifest["files"] == written
     report = json.loads((scratch / "run" / "report.json").read_text())
     assert set(report.pop("provenance")) == {"vtoken_version", "command_line", "written_at"}
     assert report == json.loads(first.stdout)

@@ -187,8 +187,8 @@ def invoke(*args: str):
 def test_the_default_hf_check_passes_on_a_tiny_model_and_says_so() -> None:
     result = invoke("--executor", "hf")
     assert result.exit_code == 0, result.output
-    printed = " ".join(result.stdout.split())  # as one line: rich wraps at the terminal width
-    for text in ("executor hf (model tiny-random-llama", "a random 2-layer Llama built in a temporary directory",
+    printed = " ".join(result.stdout.replace("│", " ").split())  # as one line: rich wraps inside its panel
+    for text in ("model tiny-random-llama (K/V of 2 layers", "executor hf;", "a random 2-layer Llama built in a temporary directory",
                  "azure_conv_sample.csv", "shared_prefix.jsonl", "streaming_llm", "ordered", "PASSED",
                  f"first {HF_LIMITS.max_requests} of"):
         assert text in printed
