@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from vtoken import defaults
 from vtoken.engine import VARIANTS, RunConfig
 from vtoken.engine.hf_compare import MeasuredExtras, hf_num_blocks, speed_from_results
 from vtoken.errors import ConfigError
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str, int], None]  # (stage description, tokens generated since), as vtoken.analysis
 
-GPU_MEM_UTIL = 0.9  # share of GPU memory for weights + KV (vLLM's gpu_memory_utilization default)
 HF_SKIPPED_NOTE = "--executor hf: no sweep, no frontier (dozens of replays; run them with --executor sim)"
 VLLM_SKIPPED_NOTE = ("--executor vllm measures the three variants only: the concurrency sweep and the capacity "
                      "frontier need dozens of replays and are skipped (run them with --executor sim)")
@@ -79,7 +79,7 @@ class SimReplayer:
     supports_sweep = supports_frontier = supports_repeats = True
 
     def __init__(self, model: object | None = None, on_status: Callable[[str], None] | None = None,
-                 gpu_mem_util: float = GPU_MEM_UTIL, *, runner: Runner | None = None,
+                 gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, *, runner: Runner | None = None,
                  cache: RunCache | None = None) -> None:
         self.gpu_mem_util = gpu_mem_util
         self.runner = runner or SerialRunner()
@@ -150,7 +150,7 @@ class HFReplayer:
     supports_sweep = supports_frontier = supports_repeats = False
 
     def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
-                 gpu_mem_util: float = GPU_MEM_UTIL, *, runner: Runner | None = None,
+                 gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, *, runner: Runner | None = None,
                  cache: RunCache | None = None) -> None:
         # `runner` and `cache` unused: the model runs in this process and every run is measured
         self._model = model
@@ -198,7 +198,7 @@ class VllmReplayer:
     supports_sweep = supports_frontier = supports_repeats = False
 
     def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
-                 gpu_mem_util: float = GPU_MEM_UTIL, max_model_len: int = 2048, *, runner: Runner | None = None,
+                 gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, max_model_len: int = 2048, *, runner: Runner | None = None,
                  cache: RunCache | None = None) -> None:
         # `runner` and `cache` unused: the engines run in this process and every run is measured
         require_vllm()
@@ -247,7 +247,7 @@ REPLAYERS: dict[str, type] = {r.executor: r for r in (SimReplayer, HFReplayer, V
 
 
 def make_replayer(name: str, *, model: object | None = None, on_status: Callable[[str], None] | None = None,
-                  gpu_mem_util: float = GPU_MEM_UTIL, runner: Runner | None = None,
+                  gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, runner: Runner | None = None,
                   cache: RunCache | None = None) -> Replayer:
     """The replayer of executor `name`. `model`: sim: unused (the config's catalog model); hf:
     a name, folder or LoadedModel; vllm: a name or folder. `on_status`: one-line messages while a

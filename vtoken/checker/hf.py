@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from vtoken import defaults
 from vtoken.checker.copies import copy_mode_for, make_copy_engine
 from vtoken.checker.faults import make_fault
 from vtoken.checker.observer import CheckingObserver, run_checked, torch_threads
@@ -37,7 +38,6 @@ from vtoken.trace import Trace, load_trace, num_output_tokens
 Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
 
 TINY_MODEL_NAME = "tiny-random-llama"
-GPU_MEM_UTIL = 0.9  # the block cap, as the CLI sizes it for the sim's catalog models
 
 
 def load_check_model(name_or_path: str | None, device: str | None = None,
@@ -89,7 +89,7 @@ def check_on_model(traces: Sequence[Trace], base: RunConfig, options: CheckOptio
     sim's)."""
     started = time.perf_counter()
     block_size = options.block_size or base.block_size
-    base = replace(base, model=model.spec, num_blocks=num_blocks_for_gpu(model.spec, base.gpu, GPU_MEM_UTIL, block_size))
+    base = replace(base, model=model.spec, num_blocks=num_blocks_for_gpu(model.spec, base.gpu, defaults.GPU_MEMORY_UTILIZATION, block_size))
     scenarios, notes = build_scenarios(traces, base, options)
     runs = []
     for scenario in scenarios:

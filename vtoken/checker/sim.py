@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from vtoken import defaults
 from vtoken.checker.contents import KV_DTYPE, KV_HEAD_DIM, KV_NUM_HEADS, KV_NUM_LAYERS, SYNTHETIC_KV_LAYOUT, KVBook, KVContents
 from vtoken.checker.copies import copy_mode_for, make_copy_engine
 from vtoken.checker.faults import make_fault
@@ -31,7 +32,6 @@ from vtoken.trace import Trace, load_trace, num_output_tokens
 
 Progress = Callable[[str, int], None]  # (stage description, units done), as vtoken.analysis
 
-GPU_MEM_UTIL = 0.9  # the block cap for a `model` given here, as the CLI sizes it for the sim's catalog models
 
 
 class SimChecker:
@@ -68,7 +68,7 @@ class SimChecker:
         if self.model is None:
             return base
         spec = resolve_model(self.model)
-        num_blocks = options.num_blocks or num_blocks_for_gpu(spec, base.gpu, GPU_MEM_UTIL,
+        num_blocks = options.num_blocks or num_blocks_for_gpu(spec, base.gpu, defaults.GPU_MEMORY_UTILIZATION,
                                                               options.block_size or base.block_size)
         return replace(base, model=spec, num_blocks=num_blocks)
 
