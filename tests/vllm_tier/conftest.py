@@ -30,3 +30,15 @@ def prompts(lengths=(50, 70, 90), seed: int = 0) -> list[list[int]]:
 
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 500, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct converted into the user cache, or a skip saying why it is not there."""
+    from vtoken.errors import ConfigError
+    from vtoken.models.smollm2 import smollm2_dir as find
+
+    try:
+        return str(find())
+    except ConfigError as exc:
+        pytest.skip(f"SmolLM2 not available: {exc}")

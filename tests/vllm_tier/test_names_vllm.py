@@ -19,16 +19,6 @@ from vtoken.replay import make_replayer  # noqa: E402
 from vtoken_cli.app import app  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def smollm2_dir() -> str:
-    from vtoken.models.smollm2 import smollm2_dir as find
-
-    try:
-        return str(find())
-    except ConfigError as exc:
-        pytest.skip(f"SmolLM2 not available: {exc}")
-
-
 def test_a_folder_resolves_to_itself_and_a_wrong_name_says_what_is_accepted(tiny_model_dir, tmp_path):
     assert str(resolve_model_dir(tiny_model_dir)) == tiny_model_dir
     with pytest.raises(ConfigError, match=r"--model 'smollm3': not 'smollm2-135m' and not a folder with a config.json"):

@@ -17,7 +17,7 @@ from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE
 
 pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 
-from tests.vllm_tier.test_serve import complete, free_port, stop, wait_until_healthy  # noqa: E402
+from tests.vllm_tier.test_serve import complete, free_port, launched  # noqa: E402
 from vtoken.endpoint import scrape  # noqa: E402
 from vtoken.engine.vllm.engine import SCHEDULER_CLS, WORKER_CLS, EngineSpec, build_llm, set_engine_env  # noqa: E402
 from vtoken.engine.vllm.plugin import RefusedAtStart  # noqa: E402
@@ -105,15 +105,8 @@ def plain_server(tiny_model_dir, tmp_path_factory):
                      "--additional-config", json.dumps({"vtoken": SETTINGS})]
     env = server_env(PROMETHEUS_MULTIPROC_DIR=str(folder / "prometheus"))
     (folder / "prometheus").mkdir()
-    log_path = folder / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(base_url, process, log_path)
+    with launched(argv, port, folder / "server.log", env) as base_url:
         yield base_url
-    finally:
-        stop(process)
 
 
 @pytest.mark.timeout(420)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,12 +54,19 @@ def server(tiny_model_dir, tmp_path_factory):
     argv = [sys.executable, "-c", "from vtoken_cli.app import main; main()", "serve", tiny_model_dir,
             "--port", str(port), "--budget", "48", "--recent-tokens", "16", "--eviction-interval", "8",
             "--theta-f", "0.01", "--dtype", "float32", "--kv-cache-bytes", str(8 << 20), "--max-model-len", "1024"]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(base_url, process, log_path)
+    with launched(argv, port, log_path) as base_url:
         yield base_url
+
+
+@contextlib.contextmanager
+def launched(argv: list[str], port: int, log_path: Path, env: dict[str, str] | None = None):
+    """A server started from `argv` on loopback `port`, logging to `log_path`: its base URL once
+    healthy; stopped (its whole process group) however the block ends."""
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", process, log_path)
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop(process)
 

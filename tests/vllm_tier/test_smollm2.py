@@ -20,7 +20,6 @@ pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 from vtoken.engine.vllm.engine import EngineSpec, generate, open_llm, scheduler_of  # noqa: E402
 from vtoken.engine.vllm.reference import load_reference_model, reference_logprobs  # noqa: E402
 from vtoken.engine.vllm.settings import settings_from_additional_config  # noqa: E402
-from vtoken.errors import ConfigError  # noqa: E402
 
 TOLERANCE = 1e-4
 TEXTS = (
@@ -38,16 +37,6 @@ CONFIGS = [
     ("naive-evict", "streaming_llm", "ordered"), ("naive-evict", "h2o", "hole-fill"),
     ("vtoken", "streaming_llm", "hole-fill"), ("vtoken", "h2o", "ordered"),
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir() -> str:
-    from vtoken.models.smollm2 import smollm2_dir as find
-
-    try:
-        return str(find())
-    except ConfigError as exc:
-        pytest.skip(f"SmolLM2 not available: {exc}")
 
 
 @pytest.fixture(scope="module")
