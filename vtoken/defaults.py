@@ -64,6 +64,7 @@ REPEATS = 1
 # In sample_traces/: what `audit` and `check-invariants --executor vllm` replay when given no trace.
 SAMPLE_TRACE = "azure_conv_sample.csv"
 SCRAPE_TIMEOUT_S = 5.0  # how long reading a server's /metrics and /v1/models may take
+WATCH_INTERVAL_S = 2.0  # seconds between two refreshes of `audit --watch`
 
 # ---- vtoken serve ------------------------------------------------------------------------------
 

@@ -170,7 +170,7 @@ def _replica(where: str, now: EngineCounters, before: EngineCounters, window_s: 
     if window_s is not None:
         finished = _finished(now, before, notes)
         rate = finished / window_s
-        latency_s = _delta(now.e2e_latency_s_total, before.e2e_latency_s_total, "vllm:e2e_request_latency_seconds_sum", notes)
+        latency_s = counter_delta(now.e2e_latency_s_total, before.e2e_latency_s_total, "vllm:e2e_request_latency_seconds_sum", notes)
         concurrency = latency_s / window_s if latency_s is not None else None
     elif None not in (now.num_requests_running, now.num_requests_waiting):
         concurrency = now.num_requests_running + now.num_requests_waiting
@@ -230,13 +230,13 @@ def _finished(now: EngineCounters, before: EngineCounters, notes: list[str]) -> 
         reasons = sorted(now.num_requests_by_reason)
         total_now = sum(now.num_requests_by_reason[r] for r in reasons)
         total_before = sum(before.num_requests_by_reason.get(r, 0.0) for r in reasons) if before is not _NOTHING else None
-        return _delta(total_now, total_before, "vllm:request_success_total", notes)
+        return counter_delta(total_now, total_before, "vllm:request_success_total", notes)
     before_count = before.prompt_tokens.count if before.prompt_tokens is not None else None
     notes.append("no vllm:request_success_total: the rate counts vllm:request_prompt_tokens_count")
-    return _delta(now.prompt_tokens.count, before_count, PROMPT_TOKENS_HISTOGRAM + "_count", notes)
+    return counter_delta(now.prompt_tokens.count, before_count, PROMPT_TOKENS_HISTOGRAM + "_count", notes)
 
 
-def _delta(now: float | None, before: float | None, name: str, notes: list[str]) -> float | None:
+def counter_delta(now: float | None, before: float | None, name: str, notes: list[str]) -> float | None:
     """now - before for a counter; after a reset (it went down), `now` alone, with a note."""
     if now is None:
         return None

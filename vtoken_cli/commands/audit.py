@@ -30,6 +30,7 @@ from vtoken_cli.options import (
     check_flags, resolve_policies,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
+from vtoken_cli.commands.audit_watch import watch_command
 from vtoken_cli.render.audit import audit_report, deployment_report
 
 
@@ -64,6 +65,11 @@ def audit_command(
         metavar="SECONDS")] = None,
     seed: Annotated[Optional[int], typer.Option(
         help=f"Seed of the synthetic attention and the random policy. Default {defaults.SEED}.")] = None,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="Show the servers' live load (and vToken's figures on a vToken server) refreshed in place "
+                        "until Ctrl-C, then a summary; replays nothing.")] = False,
+    interval: Annotated[float, typer.Option(
+        help="Seconds between two refreshes of --watch.", metavar="SECONDS")] = defaults.WATCH_INTERVAL_S,
     json_out: JsonOut = False,
     output: Output = None,
     force: Force = False,
@@ -76,10 +82,11 @@ def audit_command(
     Examples
       vtoken audit deployment.toml
       vtoken audit http://10.0.0.5:8000 http://10.0.0.6:8000 --window 30
+      vtoken audit http://10.0.0.5:8000 --watch --interval 5
 
     \b
     Exit codes
-      0  the audit ran
+      0  the audit ran (--watch: stopped with Ctrl-C)
       2  bad input (the TOML, a flag, a server that does not answer or does not
          say what the audit needs) or nothing measured
 
@@ -110,6 +117,10 @@ def audit_command(
     """
     if model is not None and model_config is not None:
         raise ConfigError("give --model or --model-config, not both")
+    if watch:
+        watch_command(deployments, interval, timeout or DEFAULT_TIMEOUT_S,
+                      {"--json": json_out, "--output": output is not None, "--window": window is not None})
+        return
     check_flags(seed=seed, num_blocks=num_blocks, budget=budget)
     if output is not None:
         check_output_dir(output, force)
