@@ -295,3 +295,26 @@ def _live(text: str, at_s: float):
 
     cache, metrics = parse_metrics(text, "http://h/metrics")
     return LiveState("http://h", "tiny-llama", MAX_MODEL_LEN, cache, metrics, (), scraped_at_s=at_s)
+
+
+def test_the_windows_of_several_replicas_are_taken_at_the_same_moments() -> None:
+    """Every replica's first scrape comes before any replica's second one: the windows overlap
+    (replica after replica, the first replica's second scrape would come before the second's first)."""
+    order: list[str] = []
+
+    def recorder(name: str, served: Served) -> Computed:
+        def render() -> str:
+            order.append(name)
+            return metrics_text({"0": served})
+        return Computed(render)
+
+    dead = refused_url()
+    with serve(routes(recorder("a", served_lengths(12, 20)))) as a, serve(routes(recorder("b", served_lengths(13, 30)))) as b:
+        result = audit_deployment([a.url, dead, b.url], replace(FAST, window_s=0.3))
+
+    assert sorted(order[:2]) == ["a", "b"] and sorted(order[2:]) == ["a", "b"]
+    windows = [r.deployment.workload.server.window_s for r in result.replicas]
+    assert len(windows) == 2 and all(w >= 0.3 for w in windows)
+    assert [r.deployment.workload.replica.num_requests_observed for r in result.replicas] == [20, 30]
+    (failure,) = result.failures  # a replica that does not answer has no window, the others still do
+    assert failure.target == dead and "connection refused" in failure.reason

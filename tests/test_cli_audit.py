@@ -4,6 +4,7 @@ fault of a TOML file or a server as one line with exit code 2."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 from pathlib import Path
 
@@ -157,8 +158,8 @@ def test_window_samples_the_request_rate() -> None:
     assert result.exit_code == 0, result.output
     workload = json.loads(result.stdout)["workload"]
     assert workload["request_rate_per_s"] == 0.0  # the fixture's counters do not move
-    assert workload["window_s"] == pytest.approx(0.2, abs=0.2)
-    assert "rate 0.00 requests/s over 0.2 s" in flat(plain.stdout)
+    assert workload["window_s"] >= 0.2  # at least the window; more when the machine is busy
+    assert re.search(r"rate 0\.00 requests/s over \d+\.\d s", flat(plain.stdout))
 
 
 def test_several_urls_and_one_that_does_not_answer() -> None:

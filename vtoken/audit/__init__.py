@@ -26,12 +26,13 @@ This module holds the one entry point and re-exports the names the CLI and the t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from vtoken.audit.deployment import (
     DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_CONCURRENCY, DEFAULT_FRONTIER_MAX_CONCURRENCY, DEFAULT_GPU,
     DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_INTERVAL_TOKENS, KV_BYTES_MISMATCH, MAX_RESERVE_BYTES, SAMPLE_TRACE,
-    Deployment, Workload, bundled_sample_path, load_workload, resolve_deployment, resolve_replicas, workload_traces,
+    Deployment, Scrapes, Workload, bundled_sample_path, load_workload, resolve_deployment, resolve_replicas, workload_traces,
 )
 from vtoken.audit.measurement import (
     AUDIT_VARIANTS, AuditProgress, Capacity, PolicyAudit, _largest_feasible, measure, num_progress_units, run_config,
@@ -41,6 +42,7 @@ from vtoken.audit.report import (
     policy_title, report_rows, report_to_json, verdict,
 )
 from vtoken.audit.settings import DEFAULT_TIMEOUT_S, Overrides, Settings, load_settings
+from vtoken.audit.watch import scrape_all
 from vtoken.audit.workload import EDGES, MAX_SYNTHETIC_REQUESTS, ReplicaWorkload, ServerWorkload
 from vtoken.endpoint import LiveState, redact_url
 from vtoken.errors import EndpointError
@@ -52,10 +54,11 @@ __all__ = [
     "KV_BYTES_MISMATCH", "MAX_RESERVE_BYTES", "SAMPLE_ATTRIBUTION", "SAMPLE_TRACE",
     "EDGES", "MAX_SYNTHETIC_REQUESTS",
     "AuditProgress", "AuditReport", "Capacity", "Deployment", "DeploymentAudit", "Overrides", "PolicyAudit",
-    "ReplicaFailure", "ReplicaWorkload", "ServerWorkload", "Settings", "Workload",
+    "ReplicaFailure", "ReplicaWorkload", "Scrapes", "ServerWorkload", "Settings", "Workload",
     "_largest_feasible", "audit", "audit_deployment", "budget_phrase", "bundled_sample_path", "deployment_to_json",
     "load_settings", "load_workload", "measure", "num_progress_units", "policy_title", "probe_gpus", "report_rows",
-    "report_to_json", "resolve_deployment", "resolve_replicas", "run_config", "verdict", "workload_traces",
+    "report_to_json", "resolve_deployment", "resolve_replicas", "run_config", "verdict", "window_scrapes",
+    "workload_traces",
 ]
 
 
@@ -74,16 +77,18 @@ def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
 
     A server that does not answer (EndpointError) is a `ReplicaFailure` and the others are
     audited; when none answers, raises EndpointError naming each (a single target: its own
-    error). Bad input (ConfigError, TraceError) raises at once. Targets are read one after the other, so with a window each
-    replica's window follows the last.
+    error). Bad input (ConfigError, TraceError) raises at once. With a window (`overrides.window_s`)
+    every URL is scraped at the same moments, its first scrapes together and its second ones
+    together (`window_scrapes`), so that all replicas' rates cover the same seconds.
     """
     overrides = overrides or Overrides()
     gpus = probe_gpus()
     reports: list[AuditReport] = []
     failures: list[ReplicaFailure] = []
+    scrapes = window_scrapes(targets, overrides)
     for target in targets:
         try:
-            deployments, live = resolve_replicas(target, overrides)
+            deployments, live = resolve_replicas(target, overrides, scrapes=scrapes.get(target))
         except EndpointError as exc:
             failures.append(ReplicaFailure(redact_url(target), str(exc)))
             continue
@@ -94,6 +99,22 @@ def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
             raise EndpointError(failures[0].reason)
         raise EndpointError("no replica answered: " + "; ".join(f.reason for f in failures))
     return DeploymentAudit(tuple(reports), tuple(failures))
+
+
+def window_scrapes(targets: Sequence[str], overrides: Overrides) -> dict[str, Scrapes]:
+    """With a window and several URLs: each URL's two scrapes, all first ones at once, then all
+    second ones `window_s` after the last first one came back; else {} (each scraped when resolved)."""
+    urls = list(dict.fromkeys(t for t in targets if "://" in t))
+    if overrides.window_s is None or len(urls) < 2:
+        return {}
+    timeout_s = overrides.timeout_s or DEFAULT_TIMEOUT_S
+    firsts = scrape_all(urls, timeout_s)
+    answered = [s.scraped_at_s for s in firsts if isinstance(s, LiveState)]
+    if answered:
+        time.sleep(max(0.0, max(answered) + overrides.window_s - time.monotonic()))
+    live_urls = [url for url, s in zip(urls, firsts, strict=True) if isinstance(s, LiveState)]
+    laters = dict(zip(live_urls, scrape_all(live_urls, timeout_s), strict=True)) if live_urls else {}
+    return {url: Scrapes(first, laters.get(url)) for url, first in zip(urls, firsts, strict=True)}
 
 
 def _audit_one(deployment: Deployment, live: LiveState | None, gpus: NvmlReport,

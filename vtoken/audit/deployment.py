@@ -111,12 +111,22 @@ def resolve_deployment(target: str, overrides: Overrides) -> tuple[Deployment, L
     return deployments[0], live
 
 
-def resolve_replicas(target: str, overrides: Overrides,
-                     per_engine: bool = True) -> tuple[tuple[Deployment, ...], LiveState | None]:
+@dataclass(frozen=True)
+class Scrapes:
+    """A server's scrapes taken beforehand (several replicas' windows at the same moments): the
+    first, and the one `window_s` later (None without a window); an EndpointError where one failed."""
+
+    first: LiveState | EndpointError
+    later: LiveState | EndpointError | None = None
+
+
+def resolve_replicas(target: str, overrides: Overrides, per_engine: bool = True,
+                     scrapes: Scrapes | None = None) -> tuple[tuple[Deployment, ...], LiveState | None]:
     """`resolve_deployment`, with one Deployment per engine of a data-parallel server (when
-    `per_engine` and the workload is the server's; else one)."""
+    `per_engine` and the workload is the server's; else one). A URL's `scrapes`, when given, are
+    used instead of scraping it."""
     if "://" in target:
-        return _from_server(target, overrides, per_engine)
+        return _from_server(target, overrides, per_engine, scrapes)
     path = Path(target)
     if path.is_dir():
         raise ConfigError(f"{target}: is a directory; DEPLOYMENT is a TOML file or the "
@@ -162,11 +172,12 @@ def bundled_sample_path() -> Path:
 # ---- the server, the flags -----------------------------------------------------------------------
 
 
-def _from_server(url: str, overrides: Overrides, per_engine: bool) -> tuple[tuple[Deployment, ...], LiveState | None]:
+def _from_server(url: str, overrides: Overrides, per_engine: bool,
+                 scrapes: Scrapes | None) -> tuple[tuple[Deployment, ...], LiveState | None]:
     shown = redact_url(url)
     timeout_s = overrides.timeout_s or DEFAULT_TIMEOUT_S
     try:
-        live = scrape(url, timeout_s)
+        live = scrape(url, timeout_s) if scrapes is None else _taken(scrapes.first)
     except EndpointError as exc:
         # An older server has no cache config; the flags can supply it (its load is then unread).
         supplied = None not in (overrides.block_size, overrides.num_gpu_blocks, overrides.model)
@@ -175,20 +186,27 @@ def _from_server(url: str, overrides: Overrides, per_engine: bool) -> tuple[tupl
         note = f"{shown} has no vllm:cache_config_info; --block-size, --num-blocks and --model supply it"
         return (_build(_apply(Settings(shown, "server", notes=(note,)), overrides), None),), None
     settings = _apply(_fill_from_server(Settings(live.url, "server"), live), overrides)
-    server = _server_workload(url, live, settings, timeout_s)
+    later = None if scrapes is None or scrapes.later is None else _taken(scrapes.later)
+    server = _server_workload(url, live, settings, timeout_s, later)
     return _build_replicas(settings, live, server, per_engine), live
 
 
-def _server_workload(url: str, live: LiveState, s: Settings, timeout_s: float) -> ServerWorkload | None:
+def _taken(scraped: LiveState | EndpointError) -> LiveState:
+    if isinstance(scraped, EndpointError):
+        raise scraped
+    return scraped
+
+
+def _server_workload(url: str, live: LiveState, s: Settings, timeout_s: float,
+                     later: LiveState | None = None) -> ServerWorkload | None:
     """The server's workload when the audit replays it (no trace given): `s.window_s` after
-    `live`, a second scrape gives the rates."""
+    `live`, a second scrape (`later`, else taken now) gives the rates."""
     if s.trace is not None:
         return None
-    later = None
-    if s.window_s is not None:
+    if s.window_s is not None and later is None:
         time.sleep(max(0.0, live.scraped_at_s + s.window_s - time.monotonic()))
         later = scrape(url, timeout_s)
-    return derive_server_workload(live, later)
+    return derive_server_workload(live, later if s.window_s is not None else None)
 
 
 def _build_replicas(s: Settings, live: LiveState, server: ServerWorkload | None,
