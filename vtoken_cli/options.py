@@ -56,6 +56,9 @@ Concurrency = Annotated[int, typer.Option(help="Closed-loop clients.")]
 MaxRequests = Annotated[Optional[int], typer.Option(help="Replay only the first N requests.")]
 TraceFormat = Annotated[str, typer.Option("--format", help=f"Trace format: {TRACE_FORMAT_NAMES}.")]
 TimeUnit = Annotated[Optional[str], typer.Option(help="Timestamp unit of the trace: s or ms (default per format).")]
+Tokenizer = Annotated[Optional[str], typer.Option(
+    help="Count ShareGPT texts in tokens with this tokenizer: smollm2-135m or a local folder with one (needs "
+         "vtoken[hf]); default: an estimate of 4 characters a token, stated in the notes.")]
 Executor = Annotated[str, typer.Option(
     help=f"Executor: {', '.join(EXECUTORS)}. sim: the cost model, no model weights; hf: a real transformers model "
          "on CPU, measured (short traces); vllm: in-process vLLM engines (needs vLLM and --model FOLDER).")]
@@ -220,6 +223,15 @@ CacheDir = Annotated[Optional[Path], typer.Option(
          "else ~/.cache/vtoken/runs). A cached replay keeps the host time it was measured with.")]
 NoCache = Annotated[bool, typer.Option("--no-cache", help="Replay everything; read and write no cache.")]
 Variants = Annotated[str, typer.Option(help="Variants to run, comma-separated (default: native,naive-evict,vtoken).")]
+
+
+def build_tokenizer(name_or_path: str | None, on_status=None):
+    """`--tokenizer`: None when not given, else the loaded tokenizer (vtoken.models.load_tokenizer)."""
+    if name_or_path is None:
+        return None
+    from vtoken.models import load_tokenizer  # transformers: imported only when a tokenizer is asked for
+
+    return load_tokenizer(name_or_path, on_status)
 
 
 def build_cache(cache_dir: Path | None, no_cache: bool) -> RunCache | None:

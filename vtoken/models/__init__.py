@@ -110,3 +110,23 @@ def check_supported(config: Any, path: Path) -> None:
     window = getattr(config, "sliding_window", None)
     if window is not None and (config.model_type == "mistral" or "sliding_attention" in layer_types):
         raise ConfigError(f"{path}: sliding-window attention (window {window}) is not supported by the hf executor")
+
+
+def load_tokenizer(name_or_path: str, on_status=None) -> Any:
+    """The tokenizer of `smollm2-135m` (converted on first use) or of a local folder holding
+    one (transformers' AutoTokenizer, no network): what `--tokenizer` measures trace texts with.
+    Raises ConfigError naming the value when there is no usable tokenizer."""
+    if is_smollm2_name(name_or_path):
+        path = resolve_model_dir(name_or_path, on_status)
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"--tokenizer {name_or_path!r}: not '{SMOLLM2_NAME}' and not a folder")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("--tokenizer needs transformers: pip install 'vtoken[hf]'") from None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--tokenizer {name_or_path!r}: no usable tokenizer in {path} ({exc})") from None

@@ -25,7 +25,8 @@ from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut,
     MaxRequests, Model, NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit,
-    TraceFormat, Variants, Workers, build_cache, build_run_config, parse_int_list, parse_variants,
+    Tokenizer, TraceFormat, Variants, Workers, build_cache, build_run_config, build_tokenizer, parse_int_list,
+    parse_variants,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -57,6 +58,7 @@ def compare_command(
     trace_format: TraceFormat = defaults.TRACE_FORMAT,
     time_unit: TimeUnit = None,
     max_requests: MaxRequests = None,
+    tokenizer: Tokenizer = None,
     sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters.")] = None,
     sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="Run the concurrency sweep and SLA selection.")] = True,
     frontier: Annotated[bool, typer.Option("--frontier/--no-frontier", help="Run the capacity frontier.")] = True,
@@ -114,8 +116,8 @@ def compare_command(
         config = replace(config, concurrency=None)
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
                              sla_ref_concurrency, repeats, sweep, frontier, parse_variants(variants))
-    loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests),
-                            config.model.max_model_len)
+    loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
+                                       tokenizer=build_tokenizer(tokenizer)), config.model.max_model_len)
     with progress_bar(stderr, 22, "compare") as bar:
         task = bar.add_task("replaying", total=num_progress_units(loaded, options, replayer))
         report = compare(loaded, config, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),

@@ -24,7 +24,7 @@ from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Force, Gpu, GpuMemUtil, JsonOut, MaxRequests, Model,
     NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit, TraceFormat, Variants,
-    Workers, build_cache, build_run_config, parse_variants,
+    Tokenizer, Workers, build_cache, build_run_config, build_tokenizer, parse_variants,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.sweep import sweep_table
@@ -59,6 +59,7 @@ def sweep_command(
     trace_format: TraceFormat = defaults.TRACE_FORMAT,
     time_unit: TimeUnit = None,
     max_requests: MaxRequests = None,
+    tokenizer: Tokenizer = None,
     sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters.")] = None,
     variants: Variants = ",".join(VARIANTS),
     workers: Workers = None,
@@ -80,7 +81,8 @@ def sweep_command(
     options = SweepOptions(tuple(parse_vary(text, flags) for text in vary), grid, parse_variants(variants))
     replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),
                            cache=build_cache(cache_dir, no_cache))
-    loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests)
+    loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
+                        tokenizer=build_tokenizer(tokenizer))
     with progress_bar(stderr, 22, "sweep") as bar:
         task = bar.add_task("replaying", total=num_points(base, options) * len(options.variants))
         report = sweep(loaded, base, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
