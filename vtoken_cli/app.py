@@ -26,6 +26,7 @@ _ABORT = (click.exceptions.Abort, getattr(_typer_click, "Abort", click.exception
 from vtoken_cli.commands.audit import audit_command
 from vtoken_cli.commands.check import check_command
 from vtoken_cli.commands.compare import compare_command
+from vtoken_cli.commands.paper import paper_command
 from vtoken_cli.commands.serve import serve_command_line
 from vtoken_cli.commands.sweep import sweep_command
 from vtoken_cli.console import one_line_errors, stderr, stdout
@@ -34,6 +35,7 @@ COMMANDS = {
     "audit": audit_command,
     "check-invariants": check_command,
     "compare": compare_command,
+    "paper": paper_command,
     "serve": serve_command_line,
     "sweep": sweep_command,
 }
