@@ -169,6 +169,8 @@ def test_stats_waste_ratio_over_vllm_blocks():
     stats = tracker_after_prefill().stats(num_allocated_blocks=3)
     assert stats.num_live_tokens == 6
     assert stats.waste_ratio == pytest.approx(1 - 6 / 12)
+    # packed: one full block and one half full; vLLM's third block holds nothing (u = 0)
+    assert stats.utilization_histogram == (1, 0, 0, 0, 0, 1, 0, 0, 0, 1)
 
 
 # ---- settings and metrics -------------------------------------------------------------------------
@@ -198,6 +200,8 @@ def test_metrics_exposition_has_vtoken_names(monkeypatch):
     text = metrics.render()
     assert 'vtoken_waste_ratio{model_name="tiny"} 0.5' in text
     assert 'vtoken_tokens_evicted_total{model_name="tiny"} 4.0' in text
+    assert 'vtoken_block_utilization_blocks{bin="5",model_name="tiny"} 1.0' in text
+    assert 'vtoken_block_utilization_blocks{bin="1",model_name="tiny"} 0.0' in text
     assert 'vtoken_info{' in text and 'variant="vtoken"' in text
 
 

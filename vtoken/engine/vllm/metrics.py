@@ -13,6 +13,9 @@ Without it (in-process engines, tests), the metrics live in a private registry,
     vtoken_allocated_blocks      blocks allocated in vLLM's pool
     vtoken_running_requests      requests with a token table
     vtoken_waste_ratio_mean      F averaged over the engine's lifetime, weighted by time
+    vtoken_block_utilization_blocks{bin}   vLLM's allocated blocks whose u = live / S is in
+                                 tenth `bin` ("0": [0, .1), ..., "9": [.9, 1.0]); the blocks vLLM
+                                 holds that the compaction emptied count in bin 0
     vtoken_live_token_seconds_total, vtoken_allocated_token_seconds_total
                                  integrals of live tokens and of allocated capacity (blocks x S)
                                  over time: the mean F over any window between two scrapes is
@@ -73,6 +76,10 @@ class EngineMetrics:
             key: Counter(f"vtoken_{key}", text, list(labels), registry=self.registry).labels(**labels)
             for key, text in _COUNTERS.items()
         }
+        self._utilization = Gauge("vtoken_block_utilization_blocks", "Allocated KV blocks per tenth of block "
+                                  "utilization u = live / block size", list(labels) + ["bin"], registry=self.registry,
+                                  multiprocess_mode="livemostrecent")
+        self._labels = labels
         self._integrals = {
             key: Counter(f"vtoken_{key}", text, list(labels), registry=self.registry).labels(**labels)
             for key, text in _INTEGRALS.items()
@@ -99,6 +106,8 @@ class EngineMetrics:
         self._gauges["live_tokens"].set(stats.num_live_tokens)
         self._gauges["allocated_blocks"].set(stats.num_allocated_blocks)
         self._gauges["running_requests"].set(stats.num_running_requests)
+        for bin_idx, num_blocks in enumerate(stats.utilization_histogram):
+            self._utilization.labels(**self._labels, bin=str(bin_idx)).set(num_blocks)
         for key, counter in self._counters.items():
             value = getattr(stats.counters, key)
             if value > self._last_counts[key]:

@@ -56,6 +56,9 @@ class EngineStats:
     num_allocated_blocks: int
     block_size: int
     counters: RunCounters
+    # vLLM's allocated blocks per tenth of u = live / S ([0, .1), ..., [.9, 1.0]): the token
+    # tables' blocks as they are packed, plus the blocks vLLM still holds that they emptied (u = 0)
+    utilization_histogram: tuple[int, ...] = ()
 
     @property
     def waste_ratio(self) -> float:
@@ -331,5 +334,7 @@ class VTokenTracker:
 
     def stats(self, num_allocated_blocks: int) -> EngineStats:
         num_live = sum(s.table.num_live_tokens for s in self.requests.values())
+        histogram = self.ledger.utilization_histogram()
+        histogram[0] += max(0, num_allocated_blocks - self.ledger.num_allocated_blocks)
         return EngineStats(self.settings.variant, len(self.requests), num_live, num_allocated_blocks,
-                           self.block_size, self.counters)
+                           self.block_size, self.counters, tuple(int(n) for n in histogram))
