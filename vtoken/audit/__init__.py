@@ -17,6 +17,8 @@ The stages, in the order the data flows:
 
     settings.py     the deployment TOML and the command-line flags, parsed and type-checked
     workload.py     a server's /metrics -> the workload it served, and a synthetic trace of it
+    watch.py        `--watch`: every replica's live load, tick by tick (and scrape_all)
+    loop.py         a vToken server's measured waste beside the sim's prediction
     deployment.py   settings + the live server -> `Deployment` (defaults, notes); its workload
     measurement.py  the replays, what vToken recovers, the capacity search (the definitions)
     report.py       `AuditReport`, the verdict, the JSON object and the CSV rows
@@ -34,6 +36,7 @@ from vtoken.audit.deployment import (
     DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_INTERVAL_TOKENS, KV_BYTES_MISMATCH, MAX_RESERVE_BYTES, SAMPLE_TRACE,
     Deployment, Scrapes, Workload, bundled_sample_path, load_workload, resolve_deployment, resolve_replicas, workload_traces,
 )
+from vtoken.audit.loop import LoopComparison, MeasuredWaste, compare_with_sim
 from vtoken.audit.measurement import (
     AUDIT_VARIANTS, AuditProgress, Capacity, PolicyAudit, _largest_feasible, measure, num_progress_units, run_config,
 )
@@ -53,7 +56,8 @@ __all__ = [
     "DEFAULT_GPU", "DEFAULT_GPU_MEMORY_UTILIZATION", "DEFAULT_INTERVAL_TOKENS", "DEFAULT_TIMEOUT_S", "DEFINITIONS",
     "KV_BYTES_MISMATCH", "MAX_RESERVE_BYTES", "SAMPLE_ATTRIBUTION", "SAMPLE_TRACE",
     "EDGES", "MAX_SYNTHETIC_REQUESTS",
-    "AuditProgress", "AuditReport", "Capacity", "Deployment", "DeploymentAudit", "Overrides", "PolicyAudit",
+    "AuditProgress", "AuditReport", "Capacity", "Deployment", "DeploymentAudit", "LoopComparison", "MeasuredWaste",
+    "Overrides", "PolicyAudit",
     "ReplicaFailure", "ReplicaWorkload", "Scrapes", "ServerWorkload", "Settings", "Workload",
     "_largest_feasible", "audit", "audit_deployment", "budget_phrase", "bundled_sample_path", "deployment_to_json",
     "load_settings", "load_workload", "measure", "num_progress_units", "policy_title", "probe_gpus", "report_rows",
@@ -125,8 +129,10 @@ def _audit_one(deployment: Deployment, live: LiveState | None, gpus: NvmlReport,
     policies = measure(deployment, traces["mid"].requests, _offset(progress, 0, num_replays, ""))
     at_edges = {edge: measure(deployment, traces[edge].requests, _offset(progress, k + 1, num_replays, f"{edge} edge: "))
                 for k, edge in enumerate(edges)}
-    return AuditReport(deployment, live, gpus, traces["mid"], policies, verdict(deployment, policies, live, at_edges),
-                       at_edges)
+    loop = (compare_with_sim(deployment.measured, {p.policy: p.runs for p in policies})
+            if deployment.measured is not None else None)
+    return AuditReport(deployment, live, gpus, traces["mid"], policies,
+                       verdict(deployment, policies, live, at_edges, loop), at_edges, loop)
 
 
 def _offset(progress: AuditProgress | None, replay_idx: int, num_replays: int, prefix: str) -> AuditProgress | None:

@@ -11,17 +11,23 @@ The workload (`Workload.source`): the trace given ("trace"); else, when a server
 it has served ("server": `vtoken.audit.workload` derives it from the scrape, or from two
 scrapes `window_s` apart); else, or when the server has finished no request yet, the bundled
 sample ("bundled-sample", with a note saying why).
+
+A vToken server (`vtoken_info`): its policy, budget and eviction interval are replayed unless
+the settings give them, and `Deployment.measured` holds the waste it measured (vtoken.audit.loop).
+The model's geometry and the block budget are resolved in sizing.py.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import vtoken
+from vtoken.audit.loop import MeasuredWaste, ServerVToken, measure_server_waste, server_vtoken
+from vtoken.audit.sizing import (  # noqa: F401 -- MAX_RESERVE_BYTES, KV_BYTES_MISMATCH: vtoken.audit exports them
+    KV_BYTES_MISMATCH, MAX_RESERVE_BYTES, key_phrase, kv_pool_notes, max_model_len, resolve_model_of, resolve_num_blocks,
+)
 from vtoken.audit.settings import DEFAULT_TIMEOUT_S, Overrides, Settings, load_settings, lookup_gpu, parse_budget
 from vtoken.audit.workload import (
     MAX_SYNTHETIC_REQUESTS, ReplicaWorkload, ServerWorkload, derive_server_workload, synthetic_traces,
@@ -39,17 +45,11 @@ from vtoken.defaults import (  # the names vtoken.audit has always exported
 )
 from vtoken.endpoint import OLD_SERVER_HINT, LiveState, redact_url, scrape
 from vtoken.errors import ConfigError, EndpointError
-from vtoken.hardware import GiB, GpuSpec, num_blocks_for_gpu
-from vtoken.model_spec import DTYPE_BYTES, ModelSpec, resolve_model
+from vtoken.hardware import GpuSpec
+from vtoken.model_spec import ModelSpec
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, resolve_policy_name
 from vtoken.policies.base import Budget
 from vtoken.trace import Trace, load_trace, within_context
-
-# vLLM fills gpu_memory_utilization x memory with weights, KV and a reserve (activations, CUDA
-# graphs, workspaces); num_gpu_blocks beside a GPU is contradictory outside this reserve range.
-MAX_RESERVE_BYTES = 8 * GiB
-# A server KV pool whose bytes per token differ this much from the model's is worth a note.
-KV_BYTES_MISMATCH = 0.10
 
 _TOML_KEYS = {"model": "model.name", "dtype": "model.dtype", "block_size": "engine.block_size",
               "num_gpu_blocks": "engine.num_gpu_blocks"}
@@ -95,6 +95,7 @@ class Deployment:
     frontier_max_concurrency: int = DEFAULT_FRONTIER_MAX_CONCURRENCY
     seed: int = SEED
     notes: tuple[str, ...] = ()
+    measured: MeasuredWaste | None = None  # a vToken server's own waste figures (vtoken.audit.loop)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -139,8 +140,8 @@ def resolve_replicas(target: str, overrides: Overrides, per_engine: bool = True,
         return (_build(_apply(settings, overrides), None),), None
     live = scrape(settings.endpoint_url, overrides.timeout_s or settings.timeout_s)
     settings = _apply(_fill_from_server(settings, live), overrides)
-    server = _server_workload(settings.endpoint_url, live, settings, overrides.timeout_s or settings.timeout_s)
-    return _build_replicas(settings, live, server, per_engine), live
+    server, later = _server_workload(settings.endpoint_url, live, settings, overrides.timeout_s or settings.timeout_s)
+    return _build_replicas(settings, (live, later), server, per_engine), live
 
 
 def load_workload(workload: Workload) -> Trace:
@@ -187,8 +188,8 @@ def _from_server(url: str, overrides: Overrides, per_engine: bool,
         return (_build(_apply(Settings(shown, "server", notes=(note,)), overrides), None),), None
     settings = _apply(_fill_from_server(Settings(live.url, "server"), live), overrides)
     later = None if scrapes is None or scrapes.later is None else _taken(scrapes.later)
-    server = _server_workload(url, live, settings, timeout_s, later)
-    return _build_replicas(settings, live, server, per_engine), live
+    server, later = _server_workload(url, live, settings, timeout_s, later)
+    return _build_replicas(settings, (live, later), server, per_engine), live
 
 
 def _taken(scraped: LiveState | EndpointError) -> LiveState:
@@ -198,22 +199,26 @@ def _taken(scraped: LiveState | EndpointError) -> LiveState:
 
 
 def _server_workload(url: str, live: LiveState, s: Settings, timeout_s: float,
-                     later: LiveState | None = None) -> ServerWorkload | None:
-    """The server's workload when the audit replays it (no trace given): `s.window_s` after
-    `live`, a second scrape (`later`, else taken now) gives the rates."""
-    if s.trace is not None:
-        return None
-    if s.window_s is not None and later is None:
+                     later: LiveState | None = None) -> tuple[ServerWorkload | None, LiveState | None]:
+    """(the server's workload when the audit replays it, i.e. no trace given; the scrape
+    `s.window_s` after `live`, None without a window). The second scrape (`later`, else taken
+    now) gives the rates, and a vToken server's waste over the window."""
+    if s.window_s is None:
+        return (derive_server_workload(live) if s.trace is None else None), None
+    if later is None:
         time.sleep(max(0.0, live.scraped_at_s + s.window_s - time.monotonic()))
         later = scrape(url, timeout_s)
-    return derive_server_workload(live, later if s.window_s is not None else None)
+    return (derive_server_workload(live, later) if s.trace is None else None), later
 
 
-def _build_replicas(s: Settings, live: LiveState, server: ServerWorkload | None,
+def _build_replicas(s: Settings, scrapes: tuple[LiveState, LiveState | None], server: ServerWorkload | None,
                     per_engine: bool) -> tuple[Deployment, ...]:
+    """`scrapes`: the server's first scrape and the one a window later (None without a window)."""
+    live, later = scrapes
     if server is None or not per_engine or len(server.replicas) == 1:
-        return (_build(s, live, server, server.total if server is not None else None),)
-    return tuple(_build(replace(s, where=f"{s.where} engine {r.engine}"), live, server, r) for r in server.replicas)
+        return (_build(s, live, server, server.total if server is not None else None, later=later),)
+    return tuple(_build(replace(s, where=f"{s.where} engine {r.engine}"), live, server, r, later=later)
+                 for r in server.replicas)
 
 
 def _fill_from_server(settings: Settings, live: LiveState) -> Settings:
@@ -252,115 +257,49 @@ def _apply(settings: Settings, overrides: Overrides) -> Settings:
 
 
 def _build(s: Settings, live: LiveState | None, server: ServerWorkload | None = None,
-           replica: ReplicaWorkload | None = None) -> Deployment:
+           replica: ReplicaWorkload | None = None, *, later: LiveState | None = None) -> Deployment:
     notes = list(s.notes)
-    model = _model(s, notes)
-    gpu = lookup_gpu(s.gpu or DEFAULT_GPU, _key(s, "engine.gpu", "--gpu"))
+    model = resolve_model_of(s, notes)
+    vtoken_server = server_vtoken(later or live) if live is not None else None
+    gpu = lookup_gpu(s.gpu or DEFAULT_GPU, key_phrase(s, "engine.gpu", "--gpu"))
     if s.gpu is None:
         notes.append(f"step times modelled on {gpu.name} (default; memory figures barely depend on it)")
     block_size = s.block_size or DEFAULT_BLOCK_SIZE
     if s.block_size is None:
         notes.append(f"block size {block_size} tokens (vLLM's default)")
-    num_blocks = _num_blocks(s, model, gpu, block_size, notes)
+    num_blocks = resolve_num_blocks(s, model, gpu, block_size, notes)
     if live is not None:
-        notes += _kv_pool_notes(live, model, s)
-    policies = tuple(dict.fromkeys(resolve_policy_name(p) for p in s.policies or DEFAULT_AUDIT_POLICIES))
-    budget = parse_budget(s.budget or DEFAULT_BUDGET, _key(s, "eviction.budget", "--budget"))
-    interval_tokens = s.interval_tokens or DEFAULT_INTERVAL_TOKENS
+        notes += kv_pool_notes(live, model, s)
+    policies, budget, interval_tokens = _eviction(s, vtoken_server, notes)
     return Deployment(
         source=s.where, model=model, gpu=gpu, block_size=block_size, num_blocks=num_blocks, policies=policies,
         budget=budget, interval_tokens=interval_tokens,
-        workload=replace(_workload(s, server, replica, notes), max_model_len=_max_model_len(model, live)),
+        workload=replace(_workload(s, server, replica, notes), max_model_len=max_model_len(model, live)),
         frontier_max_concurrency=s.frontier_max_concurrency or DEFAULT_FRONTIER_MAX_CONCURRENCY,
         seed=s.seed, notes=tuple(notes),
+        measured=measure_server_waste(live, later, model.kv_bytes_per_token) if vtoken_server is not None else None,
     )
 
 
-def _max_model_len(model: ModelSpec, live: LiveState | None) -> int | None:
-    """The context the replayed requests must fit: the server's (/v1/models) when it says, else
-    the model's (max_position_embeddings); None when neither is known."""
-    if live is not None and live.max_model_len is not None:
-        return live.max_model_len
-    return model.max_model_len
-
-
-def _model(s: Settings, notes: list[str]) -> ModelSpec:
-    dtype_bytes = _dtype_bytes(s) if s.dtype is not None else None
-    if s.geometry is not None:
-        return _explicit_model(s.geometry, dtype_bytes or 2, notes)
-    if s.model is None:
-        raise ConfigError(f"{s.where}: no model; " + _key(s, "give model.name, model.config or model.num_layers/num_kv_heads/head_dim",
-                                                             "the server names none: pass --model or --model-config"))
-    try:
-        return resolve_model(s.model, dtype_bytes)
-    except ConfigError as exc:
-        if s.origin == "server" and "unknown model" in str(exc):
-            raise ConfigError(f"the server's model {s.model!r} is not in the catalog; pass --model NAME or "
-                              "--model-config PATH (an HF config.json)") from None
-        raise ConfigError(f"{s.where}: {_key(s, 'model.name', '--model')}: {exc}") from None
-
-
-def _explicit_model(geometry: Mapping[str, int], dtype_bytes: int, notes: list[str]) -> ModelSpec:
-    num_attention_heads = geometry.get("num_attention_heads", geometry["num_kv_heads"])
-    hidden_size = geometry.get("hidden_size", num_attention_heads * geometry["head_dim"])
-    num_params = geometry.get("num_params")
-    if num_params is None:
-        num_params = 12 * geometry["num_layers"] * hidden_size**2
-        notes.append(f"num_params estimated as 12 x layers x hidden^2 = {num_params / 1e9:.2f} B "
-                     "(affects step times only)")
-    name = f"custom ({geometry['num_layers']} layers, {geometry['num_kv_heads']} KV heads x {geometry['head_dim']})"
-    return ModelSpec(name, geometry["num_layers"], geometry["num_kv_heads"], geometry["head_dim"],
-                     num_attention_heads, hidden_size, num_params, dtype_bytes)
-
-
-def _dtype_bytes(s: Settings) -> int:
-    name = s.dtype.lower().removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ConfigError(f"{s.where}: {_key(s, 'model.dtype', 'the server cache_dtype')} must be one of "
-                          f"{', '.join(DTYPE_BYTES)}, got {s.dtype!r}")
-    return DTYPE_BYTES[name]
-
-
-def _num_blocks(s: Settings, model: ModelSpec, gpu: GpuSpec, block_size: int, notes: list[str]) -> int:
-    util = s.gpu_memory_utilization
-    if s.num_gpu_blocks is not None:
-        if s.gpu is not None and util is not None:
-            _check_consistent(s, model, gpu, block_size)
-        return s.num_gpu_blocks
-    if s.gpu is None:
-        raise ConfigError(f"{s.where}: no KV block budget; " + _key(
-            s, "give engine.num_gpu_blocks, or engine.gpu (with engine.gpu_memory_utilization)", "pass --num-blocks"))
-    if util is None:
-        util = DEFAULT_GPU_MEMORY_UTILIZATION
-        notes.append(f"gpu_memory_utilization {util} (vLLM's default)")
-    num_blocks = num_blocks_for_gpu(model, gpu, util, block_size)
-    notes.append(f"{num_blocks} blocks = ({gpu.name} memory x {util} - weights - 2 GiB reserve) / block bytes")
-    return num_blocks
-
-
-def _check_consistent(s: Settings, model: ModelSpec, gpu: GpuSpec, block_size: int) -> None:
-    """num_gpu_blocks beside gpu + gpu_memory_utilization must leave a 0-8 GiB reserve."""
-    usable = math.floor(gpu.memory_bytes * s.gpu_memory_utilization) - model.weight_bytes
-    reserve = usable - s.num_gpu_blocks * model.kv_bytes_per_block(block_size)
-    if 0 <= reserve <= MAX_RESERVE_BYTES:
-        return
-    expected = num_blocks_for_gpu(model, gpu, s.gpu_memory_utilization, block_size) if usable > 2 * GiB else 0
-    raise ConfigError(
-        f"{s.where}: engine.num_gpu_blocks = {s.num_gpu_blocks} disagrees with engine.gpu = {s.gpu!r} at "
-        f"engine.gpu_memory_utilization = {s.gpu_memory_utilization}: it leaves {reserve / GiB:.1f} GiB for neither "
-        f"weights nor KV (expected 0-{MAX_RESERVE_BYTES // GiB} GiB, about {expected} blocks); give one or the other")
-
-
-def _kv_pool_notes(live: LiveState, model: ModelSpec, s: Settings) -> list[str]:
-    cache = live.cache_config
-    if None in (cache.kv_cache_memory_bytes, cache.num_gpu_blocks, cache.block_size):
-        return []
-    server_bytes = cache.kv_cache_memory_bytes / (cache.num_gpu_blocks * cache.block_size)
-    if abs(server_bytes - model.kv_bytes_per_token) <= KV_BYTES_MISMATCH * model.kv_bytes_per_token:
-        return []
-    return [f"the server's KV pool ({cache.kv_cache_memory_bytes / GiB:.2f} GiB for {cache.num_gpu_blocks} blocks of "
-            f"{cache.block_size} tokens) is {server_bytes:.0f} bytes/token, {model.name} needs "
-            f"{model.kv_bytes_per_token}: check {_key(s, 'model', '--model')} (tensor parallelism splits it)"]
+def _eviction(s: Settings, server: ServerVToken | None, notes: list[str]) -> tuple[tuple[str, ...], Budget, int]:
+    """(policies, budget, interval): the settings', else a vToken server's own (vtoken_info), else the defaults."""
+    if server is not None and server.policy is not None and s.policies is None:
+        policies = (resolve_policy_name(server.policy),)
+    else:
+        policies = tuple(dict.fromkeys(resolve_policy_name(p) for p in s.policies or DEFAULT_AUDIT_POLICIES))
+    evicts = server is not None and server.policy is not None
+    if s.budget is None and evicts and server.budget is not None:
+        budget = server.budget
+    else:
+        budget = parse_budget(s.budget or DEFAULT_BUDGET, key_phrase(s, "eviction.budget", "--budget"))
+    interval_tokens = s.interval_tokens or (server.interval_tokens if evicts else None) or DEFAULT_INTERVAL_TOKENS
+    if evicts:
+        taken = [what for what, flag in (("policy", s.policies), ("budget", s.budget), ("eviction interval",
+                 s.interval_tokens)) if flag is None]
+        if taken:
+            notes.append(f"{' and '.join(taken)} as the server runs them (vtoken_info: {server.variant}, "
+                         f"{server.policy}, {budget.describe()}, every {interval_tokens} tokens)")
+    return policies, budget, interval_tokens
 
 
 def _workload(s: Settings, server: ServerWorkload | None, replica: ReplicaWorkload | None,
@@ -403,7 +342,3 @@ def _server_concurrency(s: Settings, server: ServerWorkload, replica: ReplicaWor
            if server.window_s is not None else "requests running + waiting at the scrape")
     per = " per engine" if replica.engine == "all" and len(server.replicas) > 1 else ""
     return round(seen), f"{round(seen)} closed-loop clients{per}: the server's {how}"
-
-
-def _key(s: Settings, toml_phrase: str, server_phrase: str) -> str:
-    return toml_phrase if s.origin == "toml" else server_phrase

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from vtoken.audit.deployment import Deployment
+from vtoken.audit.loop import LoopComparison
 from vtoken.audit.measurement import AUDIT_VARIANTS, Capacity, PolicyAudit
 from vtoken.audit.workload import LengthDistribution, LengthStats
 from vtoken.endpoint import LiveState
@@ -60,6 +61,7 @@ class AuditReport:
     verdict: str
     # "low" / "high": the policies replayed at the buckets' edges (a server's workload only)
     edges: Mapping[str, tuple[PolicyAudit, ...]] = field(default_factory=dict)
+    loop: LoopComparison | None = None  # a vToken server: its measured waste beside the sim's
 
     @property
     def is_waste_measured(self) -> bool:
@@ -146,7 +148,7 @@ def budget_phrase(budget: Budget) -> str:
 
 
 def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveState | None,
-            edges: Mapping[str, Sequence[PolicyAudit]] | None = None) -> str:
+            edges: Mapping[str, Sequence[PolicyAudit]] | None = None, loop: LoopComparison | None = None) -> str:
     """A few plain sentences: the most-trapping policy in the example's words, then the least;
     with edge replays, the worst policy's max C and trapped memory as ranges."""
     worst = max(policies, key=lambda p: (p.evicted.trapped_bytes, p.policy))
@@ -168,9 +170,26 @@ def verdict(deployment: Deployment, policies: Sequence[PolicyAudit], live: LiveS
         best = min(policies, key=lambda p: (p.evicted.trapped_bytes, p.policy))
         text += (f" Least affected: {policy_title(best.policy)} ({_bytes_phrase(best.evicted.trapped_bytes)} "
                  f"trapped, F = {best.evicted.waste_ratio:.2f}).")
-    if live is not None and live.metrics.vtoken_metrics:
+    if loop is not None:
+        text += _loop_sentence(loop)
+    elif live is not None and live.metrics.vtoken_metrics:
         text += " The server runs vToken: its waste is measured there, not simulated (see its vtoken metrics)."
     return text
+
+
+def _loop_sentence(loop: LoopComparison) -> str:
+    m = loop.measured
+    what = f"{m.server.variant}" + (f", {policy_title(m.server.policy)}" if m.server.policy else "")
+    text = f" The server runs vToken ({what}) and measures its waste:"
+    if m.waste_ratio is not None:
+        text += f" F = {m.waste_ratio:.3f} ({m.waste_ratio_span})"
+        if loop.predicted is not None:
+            text += f", the sim predicts {loop.predicted.waste_ratio:.3f} for this workload ({loop.waste_ratio_difference:+.3f})"
+    if m.trapped_bytes is not None:
+        text += f"; {_bytes_phrase(m.trapped_bytes)} trapped ({m.trapped_span})"
+        if loop.predicted is not None:
+            text += f", predicted {_bytes_phrase(loop.predicted.trapped_bytes)}"
+    return text + "."
 
 
 def _range_sentence(mid: PolicyAudit, at_edges: Sequence[PolicyAudit]) -> str:
@@ -221,9 +240,33 @@ def report_to_json(report: AuditReport) -> dict:
         "workload": _workload_json(report),
         "policies": {p.policy: _policy_json(p, report.ranges(idx)) for idx, p in enumerate(report.policies)},
         "edges": {edge: {p.policy: _policy_json(p) for p in audits} for edge, audits in report.edges.items()},
+        "closing_the_loop": _loop_json(report.loop, d.block_size, d.kv_bytes_per_block) if report.loop else None,
         "definitions": {key: text for key, _, text in DEFINITIONS},
         "verdict": report.verdict,
     })
+
+
+def _loop_json(loop: LoopComparison, block_size: int, kv_bytes_per_block: int) -> dict:
+    m, p = loop.measured, loop.predicted
+    server = asdict(m.server)
+    server["budget"] = m.server.budget.describe() if m.server.budget is not None else None
+    predicted = None
+    if p is not None:
+        predicted = {"waste_ratio": p.waste_ratio, "trapped_bytes": p.trapped_bytes,
+                     "trapped_blocks": p.trapped_bytes / kv_bytes_per_block,
+                     "utilization_histogram": list(p.utilization_histogram)}
+    difference = {"waste_ratio": loop.waste_ratio_difference, "trapped_bytes": loop.trapped_bytes_difference,
+                  "trapped_blocks": (loop.trapped_bytes_difference / kv_bytes_per_block
+                                     if loop.trapped_bytes_difference is not None else None),
+                  "utilization_histogram": list(loop.histogram_difference) if loop.histogram_difference else None}
+    return {
+        "server": server, "policy": loop.policy, "variant": loop.variant,
+        "measured": {"waste_ratio": m.waste_ratio, "waste_ratio_span": m.waste_ratio_span,
+                     "trapped_tokens": m.trapped_tokens, "trapped_bytes": m.trapped_bytes,
+                     "trapped_blocks": m.trapped_blocks, "trapped_span": m.trapped_span,
+                     "utilization_histogram": list(m.utilization_histogram) if m.utilization_histogram else None},
+        "predicted": predicted, "difference": difference, "notes": [*m.notes, *loop.notes],
+    }
 
 
 def deployment_to_json(deployment_audit: DeploymentAudit) -> dict:

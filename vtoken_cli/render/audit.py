@@ -16,7 +16,8 @@ from vtoken.audit.report import room_for_more
 from vtoken.audit.workload import LengthDistribution
 from vtoken.hardware import GiB
 from vtoken_cli.render.common import (
-    WideOrNarrow, definitions_table, fields_grid, fields_panel, figure_table, histogram, histogram_scale, titled,
+    WideOrNarrow, definitions_table, fields_grid, fields_panel, figure_table, histogram, histogram_scale, histograms,
+    titled,
 )
 
 
@@ -24,7 +25,10 @@ def audit_report(report: AuditReport) -> Group:
     parts: list[RenderableType] = [_deployment_panel(report)]
     if report.live is not None:
         parts.append(_live_panel(report))
-    parts += [_workload_panel(report), _policy_table(report), _variant_table(report)]
+    parts += [_workload_panel(report)]
+    if report.loop is not None:
+        parts.append(_loop_table(report))
+    parts += [_policy_table(report), _variant_table(report)]
     scale = histogram_scale([r.utilization_histogram for p in report.policies for r in (p.evicted, p.runs["vtoken"])])
     parts += [_histograms(p, scale) for p in report.policies]
     definitions = [(name, text) for _, name, text in DEFINITIONS]
@@ -110,6 +114,49 @@ def _live_panel(report: AuditReport) -> Panel:
             metrics.add_row(name, f"{value:g}")
         parts += [Text("The server runs vToken: its waste is measured, not simulated.", style="bold green"), metrics]
     return Panel(Group(*parts), title="Live server", title_align="left")
+
+
+def _loop_table(report: AuditReport) -> Group:
+    """The server's measured waste beside the sim's run of the same variant and policy."""
+    loop, m = report.loop, report.loop.measured
+    kv_bytes_per_block = report.deployment.kv_bytes_per_block
+    p = loop.predicted
+    table = Table()
+    for column in ("figure", "measured on the server", "sim predicts", "difference"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    predicted_blocks = p.trapped_bytes / kv_bytes_per_block if p is not None else None
+    difference_blocks = (loop.trapped_bytes_difference / kv_bytes_per_block
+                         if loop.trapped_bytes_difference is not None else None)
+    table.add_row("F (waste ratio)", _with_span(m.waste_ratio, "{:.3f}", m.waste_ratio_span),
+                  _fmt(p.waste_ratio if p else None, "{:.3f}"), _fmt(loop.waste_ratio_difference, "{:+.3f}"))
+    table.add_row("trapped GiB", _with_span(_gib(m.trapped_bytes), "{:.3f}", m.trapped_span),
+                  _fmt(_gib(p.trapped_bytes) if p else None, "{:.3f}"), _fmt(_gib(loop.trapped_bytes_difference), "{:+.3f}"))
+    table.add_row("trapped blocks", _with_span(m.trapped_blocks, "{:,.1f}", m.trapped_span),
+                  _fmt(predicted_blocks, "{:,.1f}"), _fmt(difference_blocks, "{:+,.1f}"))
+    server = m.server
+    title = (f"Closing the loop: the server's vToken ({server.variant}"
+             + (f", {policy_title(server.policy)}" if server.policy else "") + ") measured, beside the sim's "
+             + (f"{loop.variant} run of {policy_title(loop.policy)}" if loop.policy else "prediction"))
+    parts: list[RenderableType] = [table]
+    named = [(name, values) for name, values in (("measured (now)", m.utilization_histogram),
+                                                 ("sim predicts", p.utilization_histogram if p else None)) if values]
+    if len(named) == 2:
+        parts.append(histograms(named, "block utilization u = live / S, share of allocated blocks"))
+    elif m.utilization_histogram is None:
+        parts.append(Text("the server exports no utilization histogram (vtoken_block_utilization_blocks)", style="dim"))
+    return titled(title, Group(*parts), "; ".join([*m.notes, *loop.notes]))
+
+
+def _with_span(value: float | None, fmt: str, span: str) -> str:
+    return "-" if value is None else f"{fmt.format(value)} ({span})"
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _gib(num_bytes: float | None) -> float | None:
+    return None if num_bytes is None else num_bytes / GiB
 
 
 def _workload_panel(report: AuditReport) -> Panel:
