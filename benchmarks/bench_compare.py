@@ -16,7 +16,7 @@ from pathlib import Path
 from dataclasses import replace
 
 from vtoken.analysis import frontier, run_variants
-from vtoken.engine import RunConfig, Runtime, SimExecutor
+from vtoken.engine import Experiment, Runtime, SimExecutor
 from vtoken.engine.config import EvictionConfig
 from vtoken.policies.base import Budget
 from vtoken.hardware import resolve_gpu
@@ -33,17 +33,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.only_pressure:
         return pressure_cost()
-    base = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=5427)
+    base = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=5427)
     paper = load_trace(ROOT / "sample_traces" / "paper_frontier.jsonl").requests
     for budget, concurrencies in ((5427, range(1, 13)), (11519, range(1, 25))):
         started = time.perf_counter()
-        result = frontier(RunConfig(**{**base.__dict__, "num_blocks": budget}), paper, list(concurrencies))
+        result = frontier(replace(base, num_blocks=budget), paper, list(concurrencies))
         print(f"frontier budget={budget}: max feasible {result.max_feasible_concurrency}, ideal {result.ideal_max_concurrency}, "
               f"{time.perf_counter() - started:.1f} s host")
     trace = load_trace(args.azure)
-    config = RunConfig(**{**base.__dict__, "num_blocks": 28019, "concurrency": 32})
     started = time.perf_counter()
-    results = run_variants(config, trace.requests)
+    results = run_variants(replace(base, num_blocks=28019), trace.requests, 32)
     elapsed = time.perf_counter() - started
     steps = sum(r.num_decode_steps for r in results.values())
     print(f"azure conv ({len(trace.requests)} requests) x 3 variants at C=32: {elapsed:.1f} s host, "
@@ -73,10 +72,9 @@ def pressure_cost() -> None:
     eviction = EvictionConfig("h2o", Budget.parse("8192"))
     for budget, concurrency in ((5427, 10), (11519, 22)):
         batch = [replace(paper[0], request_id=f"r{i}") for i in range(concurrency)]
-        config = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=budget,
-                           eviction=eviction, concurrency=None, admit_all_at_start=True)
-        executor = CopyTimingSim(config.model, config.gpu, config.sim, config.seed)
-        runtime = Runtime(config, batch, executor)
+        experiment = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=budget, eviction=eviction)
+        executor = CopyTimingSim(experiment.model, experiment.gpu, experiment.sim, experiment.seed)
+        runtime = Runtime(experiment.run("vtoken", None, admit_all_at_start=True), batch, executor)
         result = runtime.run()
         num_generated = sum(r.num_output_tokens for r in batch)
         print(f"pressure packing, budget {budget} blocks, C={concurrency}: {result.num_completed} completed, "

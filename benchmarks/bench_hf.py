@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken.engine.config import EvictionConfig, Experiment
 from vtoken.engine.hf import HFRun, run_hf
 from vtoken.engine.hf_oracle import agreement, quality_vs_native
 from vtoken.hardware import resolve_gpu
@@ -71,33 +71,33 @@ def main() -> None:
     model = load_model("smollm2-135m", on_status=print)
     requests = [Request(str(i), 0.0, args.prompt_tokens, args.output_tokens) for i in range(args.batch)]
     blocks_per_request = -(-(args.prompt_tokens + args.output_tokens) // 16)
-    base = RunConfig("native", model.spec, resolve_gpu("h100"), num_blocks=args.batch * blocks_per_request + 1,
-                     block_size=16, eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 32),
-                     reclaim=ReclaimConfig(mode="hole-fill"), concurrency=args.batch)
+    base = Experiment(model.spec, resolve_gpu("h100"), num_blocks=args.batch * blocks_per_request + 1,
+                      block_size=16, eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 32),
+                      reclaim=ReclaimConfig(mode="hole-fill"))
     print(f"SmolLM2-135M fp32 on CPU, {args.threads} torch thread(s); batch {args.batch}, prompts of "
           f"{args.prompt_tokens} random token ids, {args.output_tokens} generated tokens each, H2O/StreamingLLM keep 50% "
           f"(4 sinks, 64 recent), eviction every 32 tokens, hole-fill reclamation, {args.rounds} rounds (medians)")
     runs: dict[str, list[HFRun]] = {name: [] for name, *_ in CASES}
     for _ in range(args.rounds):
         for name, variant, policy, collect_scores in CASES:
-            config = replace(base, variant=variant, eviction=replace(base.eviction, policy=policy))
-            runs[name].append(run_hf(config, requests, model, collect_scores=collect_scores))
+            run = replace(base, eviction=replace(base.eviction, policy=policy)).run(variant, args.batch)
+            runs[name].append(run_hf(run, requests, model, collect_scores=collect_scores))
     report(runs)
     quality(model, base)
 
 
-def quality(model, base: RunConfig) -> None:
+def quality(model, base: Experiment) -> None:
     requests = [Request(str(i), 0.0, 1, 96, prompt=p) for i, p in enumerate(PROMPTS)]
     budget = Budget(keep_ratio=0.5, num_sink_tokens=4, num_recent_tokens=16)
-    config = replace(base, num_blocks=len(requests) * 12, concurrency=4, eviction=EvictionConfig("h2o", budget, 16))
-    native = run_hf(config, requests, model)
+    experiment = replace(base, num_blocks=len(requests) * 12, eviction=EvictionConfig("h2o", budget, 16))
+    native = run_hf(experiment.run("native", 4), requests, model)
     print(f"\nquality vs native: {len(PROMPTS)} instruction prompts, 96 generated tokens, {budget.describe()}, "
           "eviction every 16 tokens")
     print(f"{'policy':<15}{'ROUGE-L F1':>11}{'length ratio':>13}{'evicted':>9}{'moved':>7}{'naive=vtoken':>14}")
     for policy in POLICIES:
-        policy_config = replace(config, eviction=replace(config.eviction, policy=policy))
-        naive = run_hf(replace(policy_config, variant="naive-evict"), requests, model)
-        vtoken = run_hf(replace(policy_config, variant="vtoken"), requests, model)
+        policy_experiment = replace(experiment, eviction=replace(experiment.eviction, policy=policy))
+        naive = run_hf(policy_experiment.run("naive-evict", 4), requests, model)
+        vtoken = run_hf(policy_experiment.run("vtoken", 4), requests, model)
         q, same = quality_vs_native(native.outputs, vtoken.outputs, model), agreement(naive.outputs, vtoken.outputs)
         print(f"{policy:<15}{q.rouge_l_f1:>11.3f}{q.length_ratio:>13.2f}{vtoken.result.tokens_evicted:>9}"
               f"{vtoken.result.tokens_moved:>7}{f'{same.num_identical}/{same.num_requests}':>14}")

@@ -15,7 +15,7 @@ import vtoken.audit.deployment as deployment_module
 from vtoken.analysis import frontier
 from vtoken.audit import (
     AuditReport, Overrides, _largest_feasible, audit, bundled_sample_path, load_settings, load_workload,
-    measure, report_rows, report_to_json, resolve_deployment, run_config,
+    measure, report_rows, report_to_json, resolve_deployment, experiment_of,
 )
 from vtoken.audit.report import room_for_more
 from vtoken.endpoint import OLD_SERVER_HINT
@@ -246,7 +246,7 @@ def test_each_policy_replays_the_same_runs_as_the_runtime(small_report: AuditRep
     assert [p.policy for p in small_report.policies] == ["h2o", "streaming_llm"]
     for p in small_report.policies:
         for variant in ("naive-evict", "vtoken"):
-            expected = run_sim(replace(run_config(deployment, p.policy), variant=variant), requests)
+            expected = run_sim(experiment_of(deployment, p.policy).run(variant, deployment.workload.concurrency), requests)
             assert p.runs[variant].waste_ratio == expected.waste_ratio
             assert p.runs[variant].trapped_bytes == expected.trapped_bytes
             assert p.runs[variant].policy == p.policy
@@ -274,7 +274,7 @@ def test_capacity_search_equals_an_exhaustive_frontier_sweep(small_report: Audit
     requests = small_report.trace.requests
     cap = deployment.frontier_max_concurrency
     for p in small_report.policies:
-        swept = frontier(run_config(deployment, p.policy), requests, range(1, cap + 1))
+        swept = frontier(experiment_of(deployment, p.policy), requests, range(1, cap + 1))
         assert {v: c.max_concurrency for v, c in p.capacity.items()} == swept.max_feasible_concurrency
         assert all(c.is_lower_bound == (c.max_concurrency == cap) for c in p.capacity.values())
 
@@ -342,7 +342,7 @@ def test_capacity_with_shared_prefixes_equals_the_sweep() -> None:
     requests = load_workload(deployment.workload).requests
     (random,) = measure(deployment, requests)
 
-    swept = frontier(run_config(deployment, "random"), requests, range(1, 9))
+    swept = frontier(experiment_of(deployment, "random"), requests, range(1, 9))
     assert {v: c.max_concurrency for v, c in random.capacity.items()} == swept.max_feasible_concurrency
     assert all(not r.skipped for r in random.runs.values())
 

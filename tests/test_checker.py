@@ -19,7 +19,7 @@ from vtoken.checker.contents import kv_content
 from vtoken.checker.copies import ReportAfterForwardCopyEngine, make_copy_engine
 from vtoken.checker.faults import FAULTS
 from vtoken.checker.observer import check_plan_independently
-from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken.engine.config import EvictionConfig, Experiment
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.hardware import resolve_gpu
 from vtoken.kv.block_pool import BlockPool
@@ -35,11 +35,11 @@ SMALL = TraceLimits(max_requests=10, max_prompt_tokens=1024, max_output_tokens=9
 ONE = CheckOptions(policies=("h2o",), reclaim_modes=("hole-fill",), limits=SMALL, device="cpu")
 
 
-def make_base(**overrides) -> RunConfig:
+def make_base(**overrides) -> Experiment:
     """What `vtoken check-invariants` runs by default: 50% budget, reclaim checked every step at F >= 0.05."""
-    base = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=100_000,
-                     eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 32),
-                     reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1), concurrency=8)
+    base = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=100_000,
+                      eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 32),
+                      reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1))
     return replace(base, **overrides)
 
 

@@ -20,14 +20,14 @@ from vtoken.checker import (
 from vtoken.checker import observer as observer_module
 from vtoken.checker.hf import TINY_MODEL_NAME, load_check_model
 from vtoken.checker.snapshots import ModelKVSnapshots
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Experiment
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.trace import load_trace
 from vtoken_cli.app import app
-from vtoken_cli.options import build_run_config
+from vtoken_cli.options import build_experiment
 
 # Two requests share a 64-token prefix (4 pinned blocks: the shared-block fault needs them);
 # all have free tokens to evict and relocate.
@@ -55,12 +55,11 @@ def trace_path(tmp_path_factory) -> Path:
     return path
 
 
-def make_base() -> RunConfig:
+def make_base() -> Experiment:
     """What `vtoken check-invariants --eviction-interval 16` builds."""
-    config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=16,
-                              policy="h2o", budget="50%", eviction_interval=16, reclaim_mode="hole-fill", theta_f=0.05,
-                              concurrency=8, seed=0, sim_profile=None)
-    return replace(config, reclaim=replace(config.reclaim, check_interval_steps=1))
+    return build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=16,
+                            policy="h2o", budget="50%", eviction_interval=16, reclaim_mode="hole-fill", theta_f=0.05,
+                            seed=0, sim_profile=None, reclaim_interval=1)
 
 
 def violated(report) -> set[str]:

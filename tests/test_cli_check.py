@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from typer.testing import CliRunner
 from vtoken.checker import FAULT_DETECTED_BY, FAULT_KINDS, INVARIANTS, CheckOptions, TraceLimits, check_invariants, report_to_json
 from vtoken.trace import load_trace
 from vtoken_cli.app import app
-from vtoken_cli.options import build_run_config
+from vtoken_cli.options import build_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT / "sample_traces" / "shared_prefix.jsonl"
@@ -82,10 +81,9 @@ def test_json_has_the_documented_keys_and_equals_the_library_result():
         ("h2o", "hole-fill"), ("h2o", "ordered"), ("random", "hole-fill"), ("random", "ordered")]
     assert sum(g["relocation_events"] for g in printed["by_policy_mode"]) == printed["relocation_events"]
 
-    config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=16,
+    config = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=16,
                               policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.05,
-                              concurrency=8, seed=0, sim_profile=None)
-    config = replace(config, reclaim=replace(config.reclaim, check_interval_steps=1))
+                              seed=0, sim_profile=None, reclaim_interval=1)
     options = CheckOptions(policies=("h2o", "random"), limits=TraceLimits(12, 4096, 96))
     report = check_invariants([load_trace(SHARED)], config, options)
     expected = json.loads(json.dumps(report_to_json(report)))

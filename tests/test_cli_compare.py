@@ -12,7 +12,7 @@ from vtoken.compare import CompareOptions, compare, report_to_json
 from vtoken.replay import make_replayer
 from vtoken.trace import load_trace
 from vtoken_cli.app import app
-from vtoken_cli.options import build_run_config
+from vtoken_cli.options import build_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_traces" / "azure_conv_sample.csv"
@@ -29,10 +29,10 @@ def test_json_equals_the_library_result():
     result = invoke(str(SAMPLE), *SMALL, "--json")
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
-    config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
+    config = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
                               policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                              concurrency=8, seed=0, sim_profile=None)
-    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8)), make_replayer("sim"),
+                              seed=0, sim_profile=None)
+    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8), concurrency=8), make_replayer("sim"),
                      num_blocks=600)
     expected = json.loads(json.dumps(report_to_json(report)))
     assert printed == expected
@@ -50,11 +50,11 @@ def test_reclaim_budget_reaches_the_run_and_its_json():
     args = [str(SAMPLE), *SMALL, "--no-sweep", "--no-frontier", "--json"]
     budgeted = json.loads(invoke(*args, "--reclaim-budget", "64").stdout)
     assert budgeted["config"]["reclaim"]["max_moves_per_round"] == 64
-    config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
+    config = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
                               policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                              concurrency=8, seed=0, sim_profile=None, reclaim_budget=64)
-    report = compare(load_trace(SAMPLE, max_requests=30), config, CompareOptions((2, 8), with_sweep=False, with_frontier=False),
-                     make_replayer("sim"), num_blocks=600)
+                              seed=0, sim_profile=None, reclaim_budget=64)
+    options = CompareOptions((2, 8), with_sweep=False, with_frontier=False, concurrency=8)
+    report = compare(load_trace(SAMPLE, max_requests=30), config, options, make_replayer("sim"), num_blocks=600)
     assert budgeted == json.loads(json.dumps(report_to_json(report)))
 
 

@@ -13,7 +13,7 @@ from vtoken.replay import SimReplayer
 from vtoken.sweep import SweepOptions, Vary, report_to_json, sweep
 from vtoken.trace import load_trace
 from vtoken_cli.app import app
-from vtoken_cli.options import build_run_config, parse_budget
+from vtoken_cli.options import build_experiment, parse_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_traces" / "azure_conv_sample.csv"
@@ -31,9 +31,9 @@ def test_json_equals_the_library_result() -> None:
                     "--json")
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
-    base = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=400, gpu_mem_util=0.9, block_size=16,
+    base = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=400, gpu_mem_util=0.9, block_size=16,
                             policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                            concurrency=4, seed=0, sim_profile=None)
+                            seed=0, sim_profile=None).run("vtoken", 4)
     options = SweepOptions((Vary("block_size", (8, 32)), Vary("budget", (parse_budget("25%"), parse_budget("50%")))),
                            variants=("naive-evict", "vtoken"))
     report = sweep(load_trace(SAMPLE, max_requests=12), base, options, SimReplayer(), num_blocks=400)
@@ -108,9 +108,9 @@ def test_the_table_fits_the_terminal_without_cutting(width) -> None:
 
     from vtoken_cli.render.sweep import sweep_table
 
-    base = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=400, gpu_mem_util=0.9, block_size=16,
+    base = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=400, gpu_mem_util=0.9, block_size=16,
                             policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                            concurrency=4, seed=0, sim_profile=None)
+                            seed=0, sim_profile=None).run("vtoken", 4)
     options = SweepOptions((Vary("theta_f", (0.05, 0.25)), Vary("block_size", (16, 32))))
     report = sweep(load_trace(SAMPLE, max_requests=12), base, options, SimReplayer(), num_blocks=400)
     console = Console(width=width, record=True)

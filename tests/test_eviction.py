@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vtoken.engine import RunConfig, Runtime, SimExecutor
+from vtoken.engine import Experiment, Runtime, SimExecutor
 from vtoken.engine.config import EvictionConfig
 from vtoken.engine.eviction import EvictionClock, EvictionSchedule, build_view
 from vtoken.engine.vllm.settings import VllmSettings
@@ -110,10 +110,10 @@ def test_a_request_built_in_one_module_only():
 
 
 def runtime_decisions(policy: str, budget: Budget, interval: int, request: Request) -> list:
-    config = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=4000, block_size=S,
-                       eviction=EvictionConfig(policy, budget, interval), reclaim=ReclaimConfig(theta_f=0.01),
-                       concurrency=1)
-    runtime = Runtime(config, [request], SimExecutor(config.model, config.gpu, config.sim, config.seed))
+    experiment = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=4000, block_size=S,
+                            eviction=EvictionConfig(policy, budget, interval), reclaim=ReclaimConfig(theta_f=0.01))
+    executor = SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed)
+    runtime = Runtime(experiment.run("vtoken", 1), [request], executor)
     runtime.eviction.policy = recorder = RecordingPolicy(runtime.eviction.policy)
     runtime.run()
     return recorder.log

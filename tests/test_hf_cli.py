@@ -13,7 +13,7 @@ from vtoken.models import load_model
 from vtoken.models.tiny import build_tiny_model
 from vtoken.trace import load_trace
 from vtoken_cli.app import app
-from vtoken_cli.options import build_run_config
+from vtoken_cli.options import build_experiment
 
 runner = CliRunner()
 
@@ -56,10 +56,10 @@ def test_json_reports_measured_speed_quality_and_memory(setup):
     notes = " ".join(printed["trace"]["notes"])
     assert "2 of 3 requests have no prompt text" in notes and "sweep" in notes
     # the eviction decisions and relocations are deterministic: the library gives the same
-    config = build_run_config(model=str(model_dir), gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=4,
+    config = build_experiment(model=str(model_dir), gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=4,
                               policy="random", budget="70%", eviction_interval=6, reclaim_mode="hole-fill", theta_f=0.05,
-                              concurrency=2, seed=0, sim_profile=None)
-    report = compare(load_trace(trace), config, CompareOptions((1,)), make_replayer("hf", model=load_model(str(model_dir))))
+                              seed=0, sim_profile=None)
+    report = compare(load_trace(trace), config, CompareOptions((1,), concurrency=2), make_replayer("hf", model=load_model(str(model_dir))))
     for variant, run in report.runs.items():
         assert printed["variants"][variant]["tokens_evicted"] == run.tokens_evicted
         assert printed["variants"][variant]["tokens_moved"] == run.tokens_moved

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken.engine.config import EvictionConfig, Experiment, Run
+from vtoken.engine.sim import SimProfile
 from vtoken.engine.hf import NEVER, build_hf_runtime, prepare_requests, run_hf
 from vtoken.engine.hf_oracle import agreement, lcs_length, max_reference_error, quality_vs_native, rouge_l_f1, until_eos
 from vtoken.errors import ConfigError
@@ -37,14 +38,14 @@ def make_requests(num_requests: int = 4, num_output_tokens: int = 24) -> list[Re
     return [Request(str(i), 0.0, 20 + 7 * i, num_output_tokens) for i in range(num_requests)]
 
 
-def make_config(model, variant: str = "vtoken", policy: str = "h2o", mode: str = "hole-fill", **overrides) -> RunConfig:
+def make_config(model, variant: str = "vtoken", policy: str = "h2o", mode: str = "hole-fill", **overrides) -> Run:
     """Small blocks, an eviction every 6 tokens and eager reclamation: many relocations."""
-    config = RunConfig(
-        variant, model.spec, resolve_gpu("h100"), num_blocks=200, block_size=4,
+    experiment = Experiment(
+        model.spec, resolve_gpu("h100"), num_blocks=200, block_size=4,
         eviction=EvictionConfig(policy, Budget(keep_ratio=0.5, num_sink_tokens=2, num_recent_tokens=4), 6),
-        reclaim=ReclaimConfig(mode=mode, theta_f=0.05, check_interval_steps=1), concurrency=3,
+        reclaim=ReclaimConfig(mode=mode, theta_f=0.05, check_interval_steps=1),
     )
-    return replace(config, **overrides)
+    return replace(experiment, **overrides).run(variant, 3)
 
 
 @pytest.mark.parametrize("mode", ["hole-fill", "ordered"])
@@ -149,7 +150,7 @@ def reference_attention(model, token_ids: np.ndarray) -> torch.Tensor:
 
 def test_attention_statistics_are_the_models_attention(tiny):
     window = 5
-    config = replace(make_config(tiny, "native"), sim=replace(make_config(tiny).sim, importance_window=window))
+    config = make_config(tiny, "native", sim=SimProfile(importance_window=window))
     runtime = build_hf_runtime(config, [Request("a", 0.0, 20, 30), Request("b", 0.0, 13, 30)], tiny, collect_scores=True)
     state = step_until(runtime, 10)
     num_tokens = state.table.num_tokens

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken.engine.config import EvictionConfig, Experiment, Run
 from vtoken.engine.hf import run_hf
 from vtoken.engine.hf_oracle import agreement, max_reference_error, until_eos
 from vtoken.hardware import resolve_gpu
@@ -44,12 +44,12 @@ def smollm2():
     return load_model("smollm2-135m")
 
 
-def make_config(model, variant: str, policy: str, mode: str = "hole-fill") -> RunConfig:
-    return RunConfig(
-        variant, model.spec, resolve_gpu("h100"), num_blocks=64, block_size=16,
+def make_config(model, variant: str, policy: str, mode: str = "hole-fill") -> Run:
+    return Experiment(
+        model.spec, resolve_gpu("h100"), num_blocks=64, block_size=16,
         eviction=EvictionConfig(policy, Budget(keep_ratio=0.6, num_sink_tokens=4, num_recent_tokens=8), 8),
-        reclaim=ReclaimConfig(mode=mode, theta_f=0.05, check_interval_steps=1), concurrency=3,
-    )
+        reclaim=ReclaimConfig(mode=mode, theta_f=0.05, check_interval_steps=1),
+    ).run(variant, 3)
 
 
 def test_converted_model_writes_sensible_text(smollm2):

@@ -2,7 +2,9 @@
 
 - no module-level import cycle inside `vtoken/` or `vtoken_cli/` (imports inside functions and
   under `if TYPE_CHECKING:` run later or never, so they do not count);
-- `vtoken/` never imports typer or rich, anywhere in a file.
+- `vtoken/` never imports typer or rich, anywhere in a file;
+- a run is made from an experiment in `vtoken/engine/config.py` only (`Experiment.run`,
+  `Run.with_variant`): no other module builds a `RunSpec` or `replace`s a `variant` in.
 """
 
 from __future__ import annotations
@@ -166,3 +168,38 @@ def test_the_library_never_imports_typer_or_rich():
             offenders += [f"{name} imports {t}" for t in targets if t.split(".")[0] in CLI_LIBRARIES]
 
     assert offenders == []
+
+
+RUN_SOURCES = ("vtoken", "vtoken_cli", "benchmarks", "scripts")
+
+
+def run_builders(tree: ast.AST) -> list[int]:
+    """Lines that make a run other than through `Experiment.run`: a `RunSpec(...)` call, or a
+    `replace(..., variant=...)` (dataclasses' replace, by name or as `dataclasses.replace`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.id if isinstance(node.func, ast.Name) else (
+            node.func.attr if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "dataclasses" else None)
+        if name == "RunSpec" or (name == "replace" and any(k.arg == "variant" for k in node.keywords)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_run_builder_detector_sees_both_forms():
+    tree = ast.parse("a = replace(config, variant='vtoken', num_blocks=3)\nb = RunSpec('native', 4)\n"
+                     "c = dataclasses.replace(x, variant=v)\nd = replace(e, seed=1)\nf = text.replace('a', 'b')\n")
+
+    assert run_builders(tree) == [1, 2, 3]
+
+
+def test_only_the_config_module_makes_a_run_from_an_experiment():
+    config = ROOT / "vtoken" / "engine" / "config.py"
+    paths = [path for package in RUN_SOURCES for path in sorted((ROOT / package).rglob("*.py")) if path != config]
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in paths
+                 for line in run_builders(ast.parse(path.read_text(), filename=str(path)))]
+
+    assert offenders == []
+    assert run_builders(ast.parse(config.read_text())) != []  # the detector still sees the one place

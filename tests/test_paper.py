@@ -15,7 +15,7 @@ from vtoken.compare import CompareOptions, compare
 from vtoken.errors import ConfigError
 from vtoken.replay import SimReplayer
 from vtoken.trace import load_trace
-from vtoken_cli.options import build_run_config
+from vtoken_cli.options import build_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT / "sample_traces" / "azure_conv_sample.csv"
@@ -26,8 +26,9 @@ runner = CliRunner()
 def base_config(**overrides):
     flags = dict(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9, block_size=16,
                  policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                 concurrency=8, seed=0, sim_profile=None)
-    return build_run_config(**{**flags, **overrides})
+                 seed=0, sim_profile=None)
+    concurrency = overrides.pop("concurrency", 8)
+    return build_experiment(**{**flags, **overrides}).run("vtoken", concurrency)
 
 
 def invoke(*args: str):
@@ -41,9 +42,9 @@ def test_fig7_rows_are_compares_figures_for_each_policy():
     figure = paper.fig7(trace, base_config(), SimReplayer(), policies=("h2o", "random"), num_blocks=300)
     assert [row["policy"] for row in figure.rows] == ["h2o", "random"]
     for row in figure.rows:
-        config = base_config(policy=row["policy"])
-        runs = compare(trace, config, CompareOptions((8,), with_sweep=False, with_frontier=False,
-                                                     variants=("naive-evict", "vtoken")), SimReplayer(),
+        experiment = base_config(policy=row["policy"]).experiment
+        runs = compare(trace, experiment, CompareOptions((8,), with_sweep=False, with_frontier=False,
+                                                         variants=("naive-evict", "vtoken"), concurrency=8), SimReplayer(),
                        num_blocks=300).runs
         assert row["naive_utilization"] == runs["naive-evict"].memory_utilization
         assert row["vtoken_blocks_per_request"] == runs["vtoken"].retained_blocks_per_request
@@ -65,9 +66,8 @@ def test_fig8_budget_is_natives_unbounded_peak_and_binds_above_it():
     assert replay_native(replayer, trace, config, num_blocks=budget, concurrency=16).preemptions > 0
 
 
-def replay_native(replayer, trace, config, *, num_blocks, concurrency):
-    return replayer.run(replace(config, variant="native", num_blocks=num_blocks, concurrency=concurrency),
-                        trace.requests)
+def replay_native(replayer, trace, run, *, num_blocks, concurrency):
+    return replayer.run(replace(run.experiment, num_blocks=num_blocks).run("native", concurrency), trace.requests)
 
 
 def test_fig8_reports_the_sla_rule_of_compare():
@@ -75,7 +75,8 @@ def test_fig8_reports_the_sla_rule_of_compare():
     figure = paper.fig8(trace, base_config(), SimReplayer(), models=("mistral-7b",), concurrencies=(2, 8, 12),
                         budget_concurrency=4)
     claim = figure.claims[0]
-    report = compare(trace, base_config(model="mistral-7b"), CompareOptions((2, 8, 12), with_frontier=False),
+    report = compare(trace, base_config(model="mistral-7b").experiment,
+                     CompareOptions((2, 8, 12), with_frontier=False, concurrency=8),
                      SimReplayer(), num_blocks=figure.settings["num_blocks"]["mistral-7b"])
     assert claim.values["c_sel"] == report.sla.c_sel
     assert claim.values["sla_threshold_s"] == report.sla.threshold_s

@@ -15,7 +15,7 @@ from vtoken.checker import CheckOptions, check_invariants
 from vtoken.compare import CompareOptions, compare
 from vtoken.replay import make_replayer
 from vtoken.trace import load_trace
-from vtoken_cli.options import build_run_config
+from vtoken_cli.options import build_experiment
 from vtoken_cli.render.audit import audit_report
 from vtoken_cli.render.check import check_report
 from vtoken_cli.render.common import BAR_WIDTH, histograms
@@ -29,20 +29,20 @@ WIDTHS = (80, 120)
 def config(**changes):
     values = dict(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
                   policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                  concurrency=8, seed=3, sim_profile=None)
-    return build_run_config(**{**values, **changes})
+                  seed=3, sim_profile=None)
+    return build_experiment(**{**values, **changes})
 
 
 @pytest.fixture(scope="module")
 def compare_result():
-    return compare(load_trace(SAMPLE, max_requests=30), config(), CompareOptions((2, 8)), make_replayer("sim"),
+    return compare(load_trace(SAMPLE, max_requests=30), config(), CompareOptions((2, 8), concurrency=8), make_replayer("sim"),
                    num_blocks=600)
 
 
 @pytest.fixture(scope="module")
 def check_result():
-    options = CheckOptions(policies=("h2o",), reclaim_modes=("ordered",))
-    base = config(num_blocks=None, concurrency=4, theta_f=0.05, reclaim_mode="ordered")
+    options = CheckOptions(policies=("h2o",), reclaim_modes=("ordered",), concurrency=4)
+    base = config(num_blocks=None, theta_f=0.05, reclaim_mode="ordered")
     return check_invariants([load_trace(ROOT / "sample_traces" / "shared_prefix.jsonl")], base, options)
 
 
@@ -69,12 +69,12 @@ def test_compare_fits_and_names_every_configuration_value(compare_result, width)
     text = render(compare_report(compare_result, explain=True), width)
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
-    cfg = compare_result.config
+    cfg = compare_result.experiment
     header = header_of(text)
     for value in (str(compare_result.trace.source), cfg.model.name, cfg.gpu.name, f"block size {cfg.block_size}",
                   f"{cfg.num_blocks} blocks", "h2o", cfg.eviction.budget.describe(),
                   f"every {cfg.eviction.interval_tokens} tokens", cfg.reclaim.mode, f"theta_F {cfg.reclaim.theta_f:g}",
-                  f"concurrency {cfg.concurrency}", f"seed {cfg.seed}", "executor sim"):
+                  f"concurrency {compare_result.options.concurrency}", f"seed {cfg.seed}", "executor sim"):
         assert value in header, value
     for variant in ("native", "naive-evict", "vtoken"):
         assert variant in text

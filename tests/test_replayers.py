@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vtoken.compare import CompareOptions, compare, num_progress_units
-from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken.engine.config import EvictionConfig, Experiment, Run
 from vtoken.errors import ConfigError
 from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
 from vtoken.kv.reclaim import ReclaimConfig
@@ -26,11 +26,15 @@ REQUESTS = tuple(Request(f"r{i}", 0.1 * i, 64 + 16 * i, 24 + 4 * i) for i in ran
 TRACE = Trace(REQUESTS, "inline", "jsonl")
 
 
-def make_config(**overrides) -> RunConfig:
-    config = RunConfig("vtoken", resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=64, block_size=16,
-                       eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 8),
-                       reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1), concurrency=4)
-    return replace(config, **overrides)
+def make_experiment(**overrides) -> Experiment:
+    experiment = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=64, block_size=16,
+                            eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 8),
+                            reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1))
+    return replace(experiment, **overrides)
+
+
+def make_run(concurrency: int | None = 4, **overrides) -> Run:
+    return make_experiment(**overrides).run("vtoken", concurrency)
 
 
 class CountingRunner(SerialRunner):
@@ -40,7 +44,7 @@ class CountingRunner(SerialRunner):
         self.replayed: list[tuple] = []  # (variant, concurrency, number of requests, all admitted at once)
 
     def map(self, func, jobs, on_done=None):
-        self.replayed += [(j.config.variant, j.config.concurrency, len(j.requests), j.config.admit_all_at_start)
+        self.replayed += [(j.run.spec.variant, j.run.spec.concurrency, len(j.requests), j.run.spec.admit_all_at_start)
                           for j in jobs]
         return super().map(func, jobs, on_done)
 
@@ -64,52 +68,53 @@ def test_the_registry_names_every_executor() -> None:
 
 
 def test_sim_resolves_the_budget_from_the_gpu_when_none_is_given() -> None:
-    config = make_config()
-    resolved = make_replayer("sim", gpu_mem_util=0.5).resolve(config, REQUESTS, None)
-    assert resolved.num_blocks == num_blocks_for_gpu(config.model, config.gpu, 0.5, 16)
-    assert resolved.num_blocks > 1000 and resolved.model == config.model
-    assert make_replayer("sim").resolve(config, REQUESTS, 123).num_blocks == 123
+    experiment = make_experiment()
+    resolved = make_replayer("sim", gpu_mem_util=0.5).resolve(experiment, REQUESTS, 4, None)
+    assert resolved.num_blocks == num_blocks_for_gpu(experiment.model, experiment.gpu, 0.5, 16)
+    assert resolved.num_blocks > 1000 and resolved.model == experiment.model
+    assert make_replayer("sim").resolve(experiment, REQUESTS, 4, 123).num_blocks == 123
 
 
 def test_hf_sizes_the_budget_for_concurrency_full_length_requests(tiny_model) -> None:
     replayer = HFReplayer(tiny_model)
-    config = make_config(block_size=4, concurrency=2)
-    resolved = replayer.resolve(config, REQUESTS, None)
+    experiment = make_experiment(block_size=4)
+    resolved = replayer.resolve(experiment, REQUESTS, 2, None)
     # the two longest requests at full length: (144 + 44) and (128 + 40) tokens, 4 per block, plus one
     assert resolved.num_blocks == 188 // 4 + 168 // 4 + 1
     assert resolved.model == tiny_model.spec
-    assert replayer.resolve(config, REQUESTS, 99).num_blocks == 99
+    assert replayer.resolve(experiment, REQUESTS, 2, 99).num_blocks == 99
     assert not (replayer.supports_sweep or replayer.supports_frontier or replayer.supports_repeats)
 
 
 def test_hf_cannot_repeat_and_skips_the_sweep_and_frontier(tiny_model) -> None:
     with pytest.raises(ConfigError, match="--repeats applies to the sim executor; --executor hf runs once"):
-        compare(TRACE, make_config(), CompareOptions((1,), repeats=2), HFReplayer(tiny_model))
+        compare(TRACE, make_experiment(), CompareOptions((1,), repeats=2, concurrency=4), HFReplayer(tiny_model))
     assert num_progress_units(TRACE, CompareOptions((1, 2)), HFReplayer(tiny_model)) == 3 * sum(r.num_output_tokens for r in REQUESTS)
 
 
 def test_a_default_compare_replays_each_distinct_run_once() -> None:
-    options = CompareOptions((1, 2, 4))  # sweep at 1, 2, 4 and C_ref 8; the headline at concurrency 4
+    options = CompareOptions((1, 2, 4), concurrency=4)  # sweep at 1, 2, 4 and C_ref 8; the headline at concurrency 4
     replayer = CountingReplayer()
-    report = compare(TRACE, make_config(), options, replayer, num_blocks=64)
+    report = compare(TRACE, make_experiment(), options, replayer, num_blocks=64)
     num_sweep, num_frontier = 3 * len(options.sweep_concurrencies), 3 * len(options.concurrencies)
     assert len(replayer.replayed) == 3 + num_sweep + num_frontier - 3  # the headline runs are sweep points at C=4
     assert len(set(replayer.replayed)) == len(replayer.replayed)
     headline = {v: r for v, r in report.runs.items()}
     at_4 = {p.variant: p for p in report.sweep if p.concurrency == 4}
     assert all(at_4[v].throughput_tok_s == headline[v].throughput_tok_s for v in headline)
-    fresh = compare(TRACE, make_config(), options, SimReplayer(), num_blocks=64)
+    fresh = compare(TRACE, make_experiment(), options, SimReplayer(), num_blocks=64)
     assert fresh.sweep == report.sweep and fresh.frontier == report.frontier
 
 
-def test_a_replay_is_reused_only_for_the_same_config_and_requests() -> None:
+def test_a_replay_is_reused_only_for_the_same_run_and_requests() -> None:
     replayer = CountingReplayer()
-    config = make_config()
-    first = replayer.run(config, REQUESTS)
-    assert replayer.run(config, REQUESTS) is first
-    replayer.run(replace(config, seed=1), REQUESTS)
-    replayer.run(config, REQUESTS[:3])
-    assert len(replayer.replayed) == 3
+    run = make_experiment().run("vtoken", 4)
+    first = replayer.run(run, REQUESTS)
+    assert replayer.run(make_experiment().run("vtoken", 4), REQUESTS) is first
+    replayer.run(make_experiment(seed=1).run("vtoken", 4), REQUESTS)
+    replayer.run(make_experiment().run("vtoken", 2), REQUESTS)
+    replayer.run(run, REQUESTS[:3])
+    assert len(replayer.replayed) == 4
 
 
 def test_the_cli_chooses_no_executor_itself() -> None:

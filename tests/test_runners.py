@@ -14,7 +14,7 @@ import pytest
 from vtoken import cache as cache_module
 from vtoken.cache import RunCache, job_key
 from vtoken.compare import CompareOptions, compare, report_to_json
-from vtoken.engine.config import EvictionConfig
+from vtoken.engine.config import EvictionConfig, SchedulerConfig
 from vtoken.engine.sim import SimProfile
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import ReclaimConfig
@@ -23,17 +23,16 @@ from vtoken.replay import SimReplayer
 from vtoken.runners import ProcessRunner, RayRunner, ReplayJob, SerialRunner, make_runner, replay_job
 from vtoken.trace import load_trace
 
-from test_replayers import REQUESTS, CountingRunner, make_config
+from test_replayers import REQUESTS, CountingRunner, make_experiment, make_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_traces" / "azure_conv_sample.csv"
-OPTIONS = CompareOptions((2, 8), repeats=2)  # the headline at two seeds, a sweep at 2 and 8, a frontier
+OPTIONS = CompareOptions((2, 8), repeats=2, concurrency=8)  # the headline at two seeds, a sweep at 2 and 8, a frontier
 
 
 def compare_json(runner) -> dict:
     trace = load_trace(SAMPLE, max_requests=40)
-    config = make_config(num_blocks=600, concurrency=8)
-    report = compare(trace, config, OPTIONS, SimReplayer(runner=runner), num_blocks=600)
+    report = compare(trace, make_experiment(num_blocks=600), OPTIONS, SimReplayer(runner=runner), num_blocks=600)
     return json.loads(json.dumps(report_to_json(report)))
 
 
@@ -57,7 +56,7 @@ def test_ray_on_a_local_cluster_gives_the_serial_json(serial_json) -> None:
 
 
 def test_a_runner_returns_results_in_job_order_and_reports_each_job() -> None:
-    jobs = [ReplayJob(make_config(concurrency=c), REQUESTS) for c in (4, 1, 2)]
+    jobs = [ReplayJob(make_run(c), REQUESTS) for c in (4, 1, 2)]
     done: list[int] = []
     results = ProcessRunner(2).map(replay_job, jobs, lambda idx, result: done.append(idx))
     assert sorted(done) == [0, 1, 2]
@@ -86,45 +85,50 @@ def cached_replayer(tmp_path: Path) -> SimReplayer:
 
 
 def test_a_second_compare_replays_nothing(tmp_path) -> None:
-    options = CompareOptions((1, 4))
+    options = CompareOptions((1, 4), concurrency=4)
     first = cached_replayer(tmp_path)
-    report = compare(load_trace(SAMPLE, max_requests=12), make_config(), options, first, num_blocks=64)
+    report = compare(load_trace(SAMPLE, max_requests=12), make_experiment(), options, first, num_blocks=64)
     assert len(first.runner.replayed) > 0
     second = cached_replayer(tmp_path)
-    again = compare(load_trace(SAMPLE, max_requests=12), make_config(), options, second, num_blocks=64)
+    again = compare(load_trace(SAMPLE, max_requests=12), make_experiment(), options, second, num_blocks=64)
     assert second.runner.replayed == []
     assert report_to_json(again) == report_to_json(report)
     assert [r.host_time_s for r in again.runs.values()] == [r.host_time_s for r in report.runs.values()]
 
 
 @pytest.mark.parametrize("change", [
-    lambda c, r: (replace(c, reclaim=replace(c.reclaim, theta_f=0.3)), r),
-    lambda c, r: (replace(c, eviction=replace(c.eviction, budget=Budget(keep_ratio=0.4))), r),
-    lambda c, r: (replace(c, seed=1), r),
-    lambda c, r: (replace(c, sim=replace(c.sim, overhead_s=0.003)), r),
-    lambda c, r: (c, (replace(r[0], num_output_tokens=r[0].num_output_tokens + 1), *r[1:])),
-    lambda c, r: (c, r[:-1]),
-], ids=["theta_f", "budget", "seed", "sim-profile", "a request", "a request fewer"])
+    lambda e, r: (replace(e, reclaim=replace(e.reclaim, theta_f=0.3)).run("vtoken", 4), r),
+    lambda e, r: (replace(e, eviction=replace(e.eviction, budget=Budget(keep_ratio=0.4))).run("vtoken", 4), r),
+    lambda e, r: (replace(e, seed=1).run("vtoken", 4), r),
+    lambda e, r: (replace(e, sim=replace(e.sim, overhead_s=0.003)).run("vtoken", 4), r),
+    lambda e, r: (e.run("vtoken", 3), r),
+    lambda e, r: (e.run("naive-evict", 4), r),
+    lambda e, r: (e.run("vtoken", 4), (replace(r[0], num_output_tokens=r[0].num_output_tokens + 1), *r[1:])),
+    lambda e, r: (e.run("vtoken", 4), r[:-1]),
+], ids=["theta_f", "budget", "seed", "sim-profile", "concurrency", "variant", "a request", "a request fewer"])
 def test_anything_that_determines_a_run_misses_the_cache(tmp_path, change) -> None:
-    config = make_config()
+    experiment = make_experiment()
     cache = RunCache(tmp_path)
-    SimReplayer(cache=cache).run(config, REQUESTS)
+    SimReplayer(cache=cache).run(experiment.run("vtoken", 4), REQUESTS)
     replayer = SimReplayer(runner=CountingRunner(), cache=cache)
-    replayer.run(config, REQUESTS)
+    replayer.run(experiment.run("vtoken", 4), REQUESTS)
     assert replayer.runner.replayed == []
-    changed_config, changed_requests = change(config, REQUESTS)
-    replayer.run(changed_config, changed_requests)
+    changed_run, changed_requests = change(experiment, REQUESTS)
+    replayer.run(changed_run, changed_requests)
     assert len(replayer.runner.replayed) == 1
 
 
-def test_the_key_covers_every_config_field_and_the_code(monkeypatch) -> None:
-    job = ReplayJob(make_config(), REQUESTS)
+def test_the_key_covers_every_field_of_the_run_and_the_code(monkeypatch) -> None:
+    job = ReplayJob(make_run(), REQUESTS)
     key = job_key(job)
-    assert job_key(ReplayJob(make_config(), tuple(REQUESTS))) == key
-    assert job_key(replace(job, config=replace(job.config, max_fused_steps=15))) != key
-    assert job_key(replace(job, config=replace(job.config, reclaim=ReclaimConfig(theta_f=0.05)))) != key
-    assert job_key(replace(job, config=replace(job.config, eviction=EvictionConfig("tova", Budget(keep_ratio=0.5), 8)))) != key
-    assert job_key(replace(job, config=replace(job.config, sim=SimProfile(sync_copy=True)))) != key
+    assert job_key(ReplayJob(make_run(), tuple(REQUESTS))) == key
+    assert job_key(ReplayJob(make_run(scheduler=SchedulerConfig(max_fused_steps=15)), REQUESTS)) != key
+    assert job_key(ReplayJob(make_run(scheduler=SchedulerConfig(max_num_seqs=255)), REQUESTS)) != key
+    assert job_key(ReplayJob(make_run(reclaim=ReclaimConfig(theta_f=0.05)), REQUESTS)) != key
+    assert job_key(ReplayJob(make_run(eviction=EvictionConfig("tova", Budget(keep_ratio=0.5), 8)), REQUESTS)) != key
+    assert job_key(ReplayJob(make_run(sim=SimProfile(sync_copy=True)), REQUESTS)) != key
+    assert job_key(ReplayJob(make_run(None), REQUESTS)) != key
+    assert job_key(ReplayJob(make_experiment().run("vtoken", 4, admit_all_at_start=True), REQUESTS)) != key
     monkeypatch.setattr(cache_module, "code_fingerprint", lambda: "vtoken 0.1.0; numpy x; source edited")
     assert job_key(job) != key
 
@@ -135,7 +139,7 @@ def test_an_interrupted_batch_keeps_what_finished(tmp_path) -> None:
             on_done(0, func(jobs[0]))
             raise KeyboardInterrupt
 
-    jobs = [ReplayJob(make_config(concurrency=c), REQUESTS) for c in (1, 2)]
+    jobs = [ReplayJob(make_run(c), REQUESTS) for c in (1, 2)]
     with pytest.raises(KeyboardInterrupt):
         SimReplayer(runner=FailingSecond(), cache=RunCache(tmp_path)).run_many(jobs)
     resumed = SimReplayer(runner=CountingRunner(), cache=RunCache(tmp_path))
@@ -144,7 +148,7 @@ def test_an_interrupted_batch_keeps_what_finished(tmp_path) -> None:
 
 
 def test_an_unreadable_entry_is_a_miss(tmp_path) -> None:
-    job = ReplayJob(make_config(), REQUESTS)
+    job = ReplayJob(make_run(), REQUESTS)
     cache = RunCache(tmp_path)
     cache.put(job, replay_job(job))
     (path,) = tmp_path.rglob("*.pkl")

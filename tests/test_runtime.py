@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vtoken.engine import RunConfig, Runtime, SimExecutor, run_sim
+from vtoken.engine import Experiment, Run, Runtime, SimExecutor, run_sim
 from vtoken.engine.config import EvictionConfig
 from vtoken.hardware import resolve_gpu
 from vtoken.kv.reclaim import ReclaimConfig
@@ -27,9 +27,9 @@ def make_requests(num_requests: int, seed: int = 0) -> list[Request]:
     return [Request(str(i), 0.0, int(rng.integers(40, 400)), int(rng.integers(20, 200))) for i in range(num_requests)]
 
 
-def make_config(variant: str, **overrides) -> RunConfig:
-    base = RunConfig(variant, resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=4000, concurrency=4)
-    return replace(base, **overrides)
+def make_config(variant: str, concurrency: int | None = 4, **overrides) -> Run:
+    base = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=4000)
+    return replace(base, **overrides).run(variant, concurrency)
 
 
 class RecordingPolicy:
@@ -45,8 +45,9 @@ class RecordingPolicy:
         return victims
 
 
-def run_recorded(config: RunConfig, requests):
-    runtime = Runtime(config, requests, SimExecutor(config.model, config.gpu, config.sim, config.seed))
+def run_recorded(run: Run, requests):
+    experiment = run.experiment
+    runtime = Runtime(run, requests, SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed))
     log: list = []
     runtime.eviction.policy = RecordingPolicy(runtime.eviction.policy, log)
     return runtime.run(), sorted(log)

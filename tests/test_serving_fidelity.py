@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken.engine import RunConfig, Runtime, SimExecutor, SimProfile
+from vtoken.engine import Experiment, Run, Runtime, SimExecutor, SimProfile
 from vtoken.engine.config import EvictionConfig
 from vtoken.engine.executor import StepLoad, kv_extent
 from vtoken.errors import ConfigError
@@ -42,8 +42,8 @@ class StepRecord:
 class RecordingSim(SimExecutor):
     """The sim executor, keeping the load of every iteration it costs."""
 
-    def __init__(self, config: RunConfig) -> None:
-        super().__init__(config.model, config.gpu, config.sim, config.seed)
+    def __init__(self, experiment: Experiment) -> None:
+        super().__init__(experiment.model, experiment.gpu, experiment.sim, experiment.seed)
         self.steps: list[StepRecord] = []
 
     def execute(self, batch, load: StepLoad) -> float:
@@ -54,15 +54,15 @@ class RecordingSim(SimExecutor):
         return super().execute(batch, load)
 
 
-def make_config(variant: str, eviction: EvictionConfig, **overrides) -> RunConfig:
-    base = RunConfig(variant, resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=20_000,
-                     block_size=S, eviction=eviction, concurrency=6)
-    return replace(base, **overrides)
+def make_config(variant: str, eviction: EvictionConfig, concurrency: int | None = 6, **overrides) -> Run:
+    base = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=20_000, block_size=S,
+                      eviction=eviction)
+    return replace(base, **overrides).run(variant, concurrency)
 
 
-def replay(config: RunConfig, requests: list[Request]) -> tuple[list[StepRecord], int]:
-    executor = RecordingSim(config)
-    result = Runtime(config, requests, executor).run()
+def replay(run: Run, requests: list[Request]) -> tuple[list[StepRecord], int]:
+    executor = RecordingSim(run.experiment)
+    result = Runtime(run, requests, executor).run()
     assert result.num_completed == len(requests)
     return executor.steps, result.preemptions
 
@@ -119,7 +119,7 @@ def test_compaction_shrinks_the_read_and_the_step_time():
     naive, _ = replay(make_config("naive-evict", eviction), requests)
     vtoken, _ = replay(make_config("vtoken", eviction), requests)
     assert sum(s.load.num_kv_slots_read for s in vtoken) < 0.6 * sum(s.load.num_kv_slots_read for s in naive)
-    config = make_config("vtoken", eviction)
+    config = make_config("vtoken", eviction).experiment
     extent = SimExecutor(config.model, config.gpu, config.sim, 0)
     gather = SimExecutor(config.model, config.gpu, replace(config.sim, attention_reads="live-tokens"), 0)
     naive_s = sum(extent.iteration_time_s(s.load) for s in naive)
@@ -129,7 +129,7 @@ def test_compaction_shrinks_the_read_and_the_step_time():
 
 
 def test_fused_steps_charge_one_more_slot_per_request_and_step():
-    config = make_config("native", EvictionConfig())
+    config = make_config("native", EvictionConfig()).experiment
     sim = SimExecutor(config.model, config.gpu, config.sim, 0)
     one = StepLoad(1, 1000, 10, 2, 0, 0)
     four = StepLoad(4, 1000, 10, 2, 0, 0)
@@ -139,7 +139,7 @@ def test_fused_steps_charge_one_more_slot_per_request_and_step():
 
 
 def test_live_tokens_model_charges_only_live_tokens():
-    config = make_config("native", EvictionConfig())
+    config = make_config("native", EvictionConfig()).experiment
     extent = SimExecutor(config.model, config.gpu, config.sim, 0)
     gather = SimExecutor(config.model, config.gpu, SimProfile(attention_reads="live-tokens"), 0)
     load = StepLoad(1, num_kv_slots_read=4096, num_live_kv_tokens=1024, num_decoding_requests=4,
@@ -173,8 +173,8 @@ class WatchedReclaimer(Reclaimer):
     runtime: Runtime
 
     def plan_to_free(self, tables, busy_req_ids, num_blocks):
-        sched, config = self.runtime.scheduler, self.runtime.config
-        num_growth = sched.num_blocks_to_grow(list(sched.running), config.max_fused_steps)  # >= the round's steps
+        sched, experiment = self.runtime.scheduler, self.runtime.experiment
+        num_growth = sched.num_blocks_to_grow(list(sched.running), experiment.scheduler.max_fused_steps)  # >= the round's steps
         admission_waits = sched.num_blocks_to_admit_next() > 0
         assert admission_waits or self.num_admissible_blocks() < num_growth + self.num_pressure_reserve_blocks
         plans = super().plan_to_free(tables, busy_req_ids, num_blocks)
@@ -183,8 +183,9 @@ class WatchedReclaimer(Reclaimer):
         return plans
 
 
-def watched_run(config: RunConfig, requests: list[Request]) -> Runtime:
-    runtime = Runtime(config, requests, SimExecutor(config.model, config.gpu, config.sim, config.seed),
+def watched_run(run: Run, requests: list[Request]) -> Runtime:
+    experiment = run.experiment
+    runtime = Runtime(run, requests, SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed),
                       planner_factory=WatchedReclaimer)
     runtime.reclaimer.runtime = runtime
     runtime.num_checked_rounds = 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from vtoken.engine import VARIANTS, RunConfig, run_sim
+from vtoken.engine import VARIANTS, Experiment, Run, run_sim
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
 from vtoken.runners import OnDone, ReplayJob, SerialRunner, replay_job
@@ -36,7 +36,7 @@ DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 12, 16, 22, 32, 48)
 SLA_METRICS = {"e2e": "latency", "ttft": "ttft", "tpot": "tpot"}
 
 Progress = Callable[[str, int], None]  # (stage description, units done)
-Replay = Callable[[RunConfig, Sequence[Request]], RunResult]  # one replay; `run_sim` unless a replayer's
+Replay = Callable[[Run, Sequence[Request]], RunResult]  # one replay; `run_sim` unless a replayer's
 RunMany = Callable[[Sequence[ReplayJob], OnDone | None], list[RunResult]]  # a batch of independent replays
 
 
@@ -83,32 +83,32 @@ class Interval:
     num_samples: int
 
 
-def run_variants(base: RunConfig, requests: Sequence[Request], variants: Sequence[str] = VARIANTS,
-                 progress: Progress | None = None) -> dict[str, RunResult]:
+def run_variants(experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
+                 variants: Sequence[str] = VARIANTS, progress: Progress | None = None) -> dict[str, RunResult]:
     """Replay the same requests through each variant (same seed, same eviction decisions)."""
     results = {}
     for variant in variants:
         on_progress = (lambda n, v=variant: progress(f"{v}", n)) if progress else None
-        results[variant] = run_sim(replace(base, variant=variant), requests, on_progress)
+        results[variant] = run_sim(experiment.run(variant, concurrency), requests, on_progress)
     return results
 
 
-def sweep(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
+def sweep(experiment: Experiment, requests: Sequence[Request], concurrencies: Sequence[int],
           variants: Sequence[str] = VARIANTS, sla_metric: str = "e2e",
           progress: Progress | None = None, *, run_many: RunMany | None = None) -> list[SweepPoint]:
     """Every variant at every concurrency, closed loop. `run_many`: how the batch of replays
     runs (a replayer's; default: one after the other in this process)."""
-    jobs = sweep_jobs(base, requests, concurrencies, variants)
-    on_done = ((lambda idx, result: progress(f"sweep C={jobs[idx].config.concurrency}", num_output_tokens(requests)))
+    jobs = sweep_jobs(experiment, requests, concurrencies, variants)
+    on_done = ((lambda idx, result: progress(f"sweep C={jobs[idx].run.spec.concurrency}", num_output_tokens(requests)))
                if progress else None)
     results = run_many(jobs, on_done) if run_many else SerialRunner().map(replay_job, jobs, on_done)
     return sweep_points(jobs, results, sla_metric)
 
 
-def sweep_jobs(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
+def sweep_jobs(experiment: Experiment, requests: Sequence[Request], concurrencies: Sequence[int],
                variants: Sequence[str] = VARIANTS) -> list[ReplayJob]:
     """The sweep's replays, concurrency-major: each variant at each concurrency."""
-    return [ReplayJob(replace(base, variant=variant, concurrency=concurrency), tuple(requests))
+    return [ReplayJob(experiment.run(variant, concurrency), tuple(requests))
             for concurrency in concurrencies for variant in variants]
 
 
@@ -119,7 +119,7 @@ def sweep_points(jobs: Sequence[ReplayJob], results: Sequence[RunResult], sla_me
     points = []
     for job, result in zip(jobs, results, strict=True):
         latency = getattr(result, SLA_METRICS[sla_metric])
-        points.append(SweepPoint(job.config.variant, job.config.concurrency, result.throughput_tok_s, latency.p95_s,
+        points.append(SweepPoint(job.run.spec.variant, job.run.spec.concurrency, result.throughput_tok_s, latency.p95_s,
                                  result.preemptions))
     return points
 
@@ -143,7 +143,7 @@ def frontier_num_tokens(requests: Sequence[Request], concurrency: int) -> int:
     return sum(requests[i % len(requests)].num_output_tokens for i in range(concurrency))
 
 
-def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequence[int],
+def frontier(base: Experiment, requests: Sequence[Request], concurrencies: Sequence[int],
              variants: Sequence[str] = VARIANTS, progress: Progress | None = None, *,
              replay: Replay = run_sim) -> Frontier:
     """Block demand and feasibility of C co-resident requests (the first C of `requests`,
@@ -154,13 +154,15 @@ def frontier(base: RunConfig, requests: Sequence[Request], concurrencies: Sequen
         batch = [requests[i % len(requests)] for i in range(concurrency)]
         batch = [replace(r, request_id=f"{r.request_id}#{i}", arrival_s=0.0) for i, r in enumerate(batch)]
         unbounded = sum(-(-(r.num_prompt_tokens + r.num_output_tokens) // base.block_size) for r in batch) + 1
+        scheduler = replace(base.scheduler, max_num_seqs=max(base.scheduler.max_num_seqs, concurrency))
+        resident = replace(base, scheduler=scheduler)
         for variant in variants:
-            config = replace(base, variant=variant, concurrency=None, admit_all_at_start=True,
-                             num_blocks=max(budget, unbounded), max_num_seqs=max(base.max_num_seqs, concurrency))
-            peak = replay(config, batch).peak_allocated_blocks
+            run = replace(resident, num_blocks=max(budget, unbounded)).run(variant, None, admit_all_at_start=True)
+            peak = replay(run, batch).peak_allocated_blocks
             point = FrontierPoint(variant, concurrency, peak, peak / budget, peak <= budget)
-            if not point.is_feasible and config.reclaims and _num_prompt_blocks(batch, base.block_size) <= budget:
-                point = _in_budget(replay(replace(config, num_blocks=budget), batch), point, budget)
+            if not point.is_feasible and run.spec.reclaims and _num_prompt_blocks(batch, base.block_size) <= budget:
+                in_budget = replace(resident, num_blocks=budget).run(variant, None, admit_all_at_start=True)
+                point = _in_budget(replay(in_budget, batch), point, budget)
             points.append(point)
             if progress:
                 progress(f"frontier C={concurrency}", num_output_tokens(batch))
@@ -192,7 +194,7 @@ def _max_feasible(points: Sequence[FrontierPoint], variants: Sequence[str]) -> d
     return best
 
 
-def _ideal_max(base: RunConfig, requests: Sequence[Request], budget: int) -> int:
+def _ideal_max(base: Experiment, requests: Sequence[Request], budget: int) -> int:
     """Concurrency if each request's kept tokens were packed perfectly at its final length."""
     budget_spec = base.eviction.budget
     num_blocks = 0

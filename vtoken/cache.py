@@ -6,8 +6,9 @@
 
 The key is the sha256 of a canonical JSON of:
 
-- the whole `RunConfig`: every field, nested ones included (model spec, GPU, eviction and its
-  budget, reclamation, sim profile, seed), each float written exactly (repr);
+- the whole `Run`: its experiment and its run spec, every field, nested ones included (model
+  spec, GPU, block budget, eviction and its budget, reclamation, scheduler limits, sim profile,
+  seed; variant, concurrency, admission), each float written exactly (repr);
 - every request, field by field;
 - the code: a hash of every source and data file of the `vtoken` package, the vtoken and numpy
   versions, and CACHE_FORMAT. The source hash, not a hand-bumped version constant, because a
@@ -85,7 +86,7 @@ def job_key(job: ReplayJob) -> str:
     document = {
         "format": CACHE_FORMAT,
         "code": code_fingerprint(),
-        "config": _canonical(job.config),
+        "run": _canonical(job.run),
         "requests": [_canonical(r) for r in job.requests],
     }
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=True)

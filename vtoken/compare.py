@@ -1,7 +1,7 @@
 """`vtoken compare` as one library call: the three variants, the sweep, the SLA rule, the
 frontier and repeats over seeds, returned as one plain record.
 
-    compare(trace, config, options, replayer, progress, num_blocks=None)
+    compare(trace, experiment, options, replayer, progress, num_blocks=None)
         replayer.resolve        the executor's block budget and model geometry (replay.py)
         replayer.run_many       the sim: every seed's variants and the sweep, one batch of
                                 independent replays (on the replayer's runner: local processes
@@ -21,7 +21,8 @@ import numpy as np
 
 from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, frontier_num_tokens, interval,
                              sla_selection, sweep_jobs, sweep_points)
-from vtoken.engine import VARIANTS, RunConfig
+from vtoken import defaults
+from vtoken.engine import VARIANTS, Experiment
 from vtoken.engine.hf_compare import MeasuredExtras
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
@@ -35,7 +36,7 @@ NO_SLA_NOTE = "no SLA selection: --variants leaves out naive-evict, whose p95 se
 
 @dataclass(frozen=True)
 class CompareOptions:
-    concurrencies: tuple[int, ...]
+    concurrencies: tuple[int, ...]  # the frontier's (the sweep's, with the reference concurrency)
     sla_metric: str = "e2e"
     sla_factor: float = 1.05
     reference_concurrency: int = 8
@@ -43,9 +44,12 @@ class CompareOptions:
     with_sweep: bool = True
     with_frontier: bool = True
     variants: tuple[str, ...] = VARIANTS  # which run, in VARIANTS' order
+    concurrency: int | None = defaults.CONCURRENCY  # the headline runs' closed-loop clients; None = open loop
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "variants", check_variants(self.variants))
+        if self.concurrency is not None and self.concurrency <= 0:
+            raise ConfigError(f"concurrency must be > 0, got {self.concurrency}")
         if self.repeats <= 0:
             raise ConfigError(f"--repeats must be > 0, got {self.repeats}")
         if not self.concurrencies or min(self.concurrencies) <= 0:
@@ -61,9 +65,9 @@ class CompareOptions:
 @dataclass(frozen=True)
 class CompareReport:
     trace: Trace
-    config: RunConfig
+    experiment: Experiment  # its block budget and model geometry resolved by the replayer
     options: CompareOptions
-    runs: dict[str, RunResult]  # seed `config.seed`
+    runs: dict[str, RunResult]  # seed `experiment.seed`
     headline_ci: dict[str, dict[str, Interval]]  # variant -> figure -> mean and 95% CI over repeats
     sweep: tuple[SweepPoint, ...]
     sla: SlaResult | None
@@ -72,17 +76,17 @@ class CompareReport:
     measured: MeasuredExtras | None = None  # a real engine's (hf, vllm): speed, and with hf quality and agreement
 
 
-def compare(trace: Trace, config: RunConfig, options: CompareOptions, replayer: Replayer,
+def compare(trace: Trace, experiment: Experiment, options: CompareOptions, replayer: Replayer,
             progress: Progress | None = None, *, num_blocks: int | None = None) -> CompareReport:
     """Replay `trace` on `replayer`'s executor. `num_blocks` None: the executor's default budget."""
     requests = trace.requests
     options = supported_options(options, replayer)
-    config = replayer.resolve(config, requests, num_blocks)
+    experiment = replayer.resolve(experiment, requests, options.concurrency, num_blocks)
     variants = options.variants
     if replayer.supports_sweep:  # the sim: independent replays, all of them in one batch
-        repeats, points = _headline_and_sweep(config, requests, options, replayer, progress)
+        repeats, points = _headline_and_sweep(experiment, requests, options, replayer, progress)
     else:  # a real engine runs the variants together (their outputs are compared)
-        repeats, points = [replayer.run_variants(config, requests, progress)], []
+        repeats, points = [replayer.run_variants(experiment, requests, options.concurrency, progress)], []
     headline_ci = {
         variant: {key: interval([r[variant].headline()[key] for r in repeats]) for key in repeats[0][variant].headline()}
         for variant in variants
@@ -95,26 +99,26 @@ def compare(trace: Trace, config: RunConfig, options: CompareOptions, replayer: 
         notes += (NO_SLA_NOTE,)
     frontier_result = None
     if options.with_frontier:
-        frontier_result = frontier(config, requests, options.concurrencies, variants, progress, replay=replayer.run)
+        frontier_result = frontier(experiment, requests, options.concurrencies, variants, progress, replay=replayer.run)
     trace = replace(trace, notes=trace.notes + notes)
-    return CompareReport(trace, config, options, repeats[0], headline_ci, tuple(points), sla, frontier_result,
+    return CompareReport(trace, experiment, options, repeats[0], headline_ci, tuple(points), sla, frontier_result,
                          replayer.executor, replayer.measured)
 
 
-def _headline_and_sweep(config: RunConfig, requests: tuple[Request, ...], options: CompareOptions,
+def _headline_and_sweep(experiment: Experiment, requests: tuple[Request, ...], options: CompareOptions,
                         replayer: Replayer, progress: Progress | None
                         ) -> tuple[list[dict[str, RunResult]], list[SweepPoint]]:
     """Every seed's variants and, with the sweep, every sweep point: one `run_many` batch."""
     variants = options.variants
-    headline = [ReplayJob(replace(config, seed=config.seed + i, variant=v), requests)
+    headline = [ReplayJob(replace(experiment, seed=experiment.seed + i).run(v, options.concurrency), requests)
                 for i in range(options.repeats) for v in variants]
-    swept = sweep_jobs(config, requests, options.sweep_concurrencies, variants) if options.with_sweep else []
+    swept = sweep_jobs(experiment, requests, options.sweep_concurrencies, variants) if options.with_sweep else []
 
     def on_done(idx: int, result: RunResult) -> None:
         if idx < len(headline):
-            progress(headline[idx].config.variant, num_output_tokens(requests))
+            progress(headline[idx].run.spec.variant, num_output_tokens(requests))
         else:
-            progress(f"sweep C={swept[idx - len(headline)].config.concurrency}", num_output_tokens(requests))
+            progress(f"sweep C={swept[idx - len(headline)].run.spec.concurrency}", num_output_tokens(requests))
 
     results = replayer.run_many(headline + swept, on_done if progress else None)
     repeats = [dict(zip(variants, results[i * len(variants):(i + 1) * len(variants)])) for i in range(options.repeats)]
@@ -160,7 +164,7 @@ def num_progress_units(trace: Trace, options: CompareOptions, replayer: Replayer
 
 def report_to_json(report: CompareReport) -> dict:
     """The `--json` object: variants, sweep, sla, frontier, and what the run was."""
-    cfg = report.config
+    cfg = report.experiment
     variants = {}
     for name, result in report.runs.items():
         entry = variant_to_json(result)
@@ -172,7 +176,7 @@ def report_to_json(report: CompareReport) -> dict:
                   "notes": list(report.trace.notes)},
         "config": {
             "model": cfg.model.name, "kv_bytes_per_token": cfg.model.kv_bytes_per_token, "gpu": cfg.gpu.name,
-            "block_size": cfg.block_size, "num_blocks": cfg.num_blocks, "concurrency": cfg.concurrency,
+            "block_size": cfg.block_size, "num_blocks": cfg.num_blocks, "concurrency": report.options.concurrency,
             "policy": cfg.eviction.policy, "budget": cfg.eviction.budget.describe(),
             "eviction_interval_tokens": cfg.eviction.interval_tokens, "reclaim": asdict(cfg.reclaim),
             "seed": cfg.seed, "repeats": report.options.repeats, "sim_profile": cfg.sim.as_dict(),

@@ -17,8 +17,8 @@ from vtoken.errors import NothingMeasuredError
 
 def require_measured_compare(report: Any) -> None:
     """A CompareReport: every variant's headline run completed at least one request."""
-    _require_completed(report.runs, f"{report.trace.source} on {_blocks(report.config.num_blocks)} of "
-                                    f"{report.config.block_size} tokens")
+    _require_completed(report.runs, f"{report.trace.source} on {_blocks(report.experiment.num_blocks)} of "
+                                    f"{report.experiment.block_size} tokens")
 
 
 def require_measured_audit(result: Any) -> None:

@@ -1,18 +1,20 @@
 """One replayer per executor: what `vtoken compare` replays the variants on, chosen by name.
 
     make_replayer(name, model=..., on_status=...)    SimReplayer | HFReplayer | VllmReplayer
-    replayer.resolve(config, requests, num_blocks)   the block budget (None: the executor's
-                                                     default) and the model geometry, once
-    replayer.run_variants(config, requests, progress)  {variant: RunResult}
-    replayer.run(config, requests)                   one replay (sim: the frontier)
+    replayer.resolve(experiment, requests, concurrency, num_blocks)
+                                                     the experiment with the block budget (None:
+                                                     the executor's default) and the model
+                                                     geometry, once
+    replayer.run_variants(experiment, requests, concurrency, progress)  {variant: RunResult}
+    replayer.run(run, requests)                      one replay (sim: the frontier)
     replayer.run_many(jobs, on_done)                 independent replays at once (sim: the headline
                                                      runs, the sweep and repeats), on its runner
     replayer.measured                                what a real engine measured beyond the
                                                      results (MeasuredExtras), after run_variants
     replayer.supports_sweep / supports_frontier / supports_repeats
 
-The sim replays every distinct run once: `run` keys each replay by its full `RunConfig` and
-its requests, so the headline runs that repeat a sweep point (same variant, same concurrency)
+The sim replays every distinct run once: `run` keys each replay by its full `Run` (experiment
+and run spec) and its requests, so the headline runs that repeat a sweep point (same variant, same concurrency)
 are reused. Its `runner` (vtoken.runners: serial, local processes or Ray) replays a batch in
 parallel and its `cache` (vtoken.cache) keeps results across runs; neither changes a result.
 The real engines run in this process and take neither. Importable without torch or vLLM; the
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from vtoken import defaults
-from vtoken.engine import VARIANTS, RunConfig
+from vtoken.engine import VARIANTS, Experiment, Run
 from vtoken.engine.hf_compare import MeasuredExtras, hf_num_blocks, speed_from_results
 from vtoken.errors import ConfigError
 from vtoken.hardware import num_blocks_for_gpu
@@ -52,16 +54,17 @@ class Replayer(Protocol):
     supports_repeats: ClassVar[bool]
     measured: MeasuredExtras | None
 
-    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
-        """`config` with this executor's model geometry and block budget (`num_blocks`, or the
-        executor's default for None)."""
+    def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
+                num_blocks: int | None = None) -> Experiment:
+        """`experiment` with this executor's model geometry and block budget (`num_blocks`, or
+        the executor's default for None, which may size it for `concurrency` clients)."""
 
-    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+    def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None) -> dict[str, RunResult]:
         """The three variants on the same requests, same seed, same eviction decisions."""
 
-    def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
-        """One replay of `config.variant` (the frontier's)."""
+    def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
+        """One replay of `run` (the frontier's)."""
 
     def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
         """Independent replays, results in job order; `on_done(idx, result)` as job `idx` is done."""
@@ -87,24 +90,25 @@ class SimReplayer:
         self.measured: MeasuredExtras | None = None
         self._results: dict[ReplayJob, RunResult] = {}  # every replay of this replayer, by what determines it
 
-    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
+    def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
+                num_blocks: int | None = None) -> Experiment:
         if num_blocks is None:
-            num_blocks = num_blocks_for_gpu(config.model, config.gpu, self.gpu_mem_util, config.block_size)
-        return replace(config, num_blocks=num_blocks)
+            num_blocks = num_blocks_for_gpu(experiment.model, experiment.gpu, self.gpu_mem_util, experiment.block_size)
+        return replace(experiment, num_blocks=num_blocks)
 
-    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+    def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None, variants: Sequence[str] = VARIANTS) -> dict[str, RunResult]:
-        jobs = [ReplayJob(replace(config, variant=v), tuple(requests)) for v in variants]
+        jobs = [ReplayJob(experiment.run(v, concurrency), tuple(requests)) for v in variants]
         on_done = (lambda idx, result: progress(variants[idx], num_output_tokens(requests))) if progress else None
         return dict(zip(variants, self.run_many(jobs, on_done)))
 
-    def run(self, config: RunConfig, requests: Sequence[Request],
+    def run(self, run: Run, requests: Sequence[Request],
             on_progress: Callable[[int], None] | None = None) -> RunResult:
         """One replay, or the result of the identical one already replayed or cached (the sim
-        is deterministic: the same config and requests give the same result). `on_progress`:
+        is deterministic: the same run and requests give the same result). `on_progress`:
         the requests' output tokens, once it is done."""
         on_done = (lambda idx, result: on_progress(num_output_tokens(requests))) if on_progress else None
-        return self.run_many([ReplayJob(config, tuple(requests))], on_done)[0]
+        return self.run_many([ReplayJob(run, tuple(requests))], on_done)[0]
 
     def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
         """Every distinct job neither replayed here yet nor cached goes to the runner, in one
@@ -157,25 +161,26 @@ class HFReplayer:
         self._on_status = on_status
         self.measured: MeasuredExtras | None = None
 
-    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
+    def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
+                num_blocks: int | None = None) -> Experiment:
         model = self._loaded()
-        config = replace(config, model=model.spec)
-        return replace(config, num_blocks=num_blocks or hf_num_blocks(config, requests, model))
+        experiment = replace(experiment, model=model.spec)
+        return replace(experiment, num_blocks=num_blocks or hf_num_blocks(experiment, requests, concurrency, model))
 
-    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+    def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None) -> dict[str, RunResult]:
         from vtoken.engine.hf_compare import compare_on_model
 
-        runs, self.measured = compare_on_model(config, requests, self._loaded(), progress)
+        runs, self.measured = compare_on_model(experiment, requests, concurrency, self._loaded(), progress)
         return runs
 
-    def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
+    def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
         from vtoken.engine.hf import run_hf
 
-        return run_hf(config, requests, self._loaded()).result
+        return run_hf(run, requests, self._loaded()).result
 
     def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
-        return SerialRunner().map(lambda job: self.run(job.config, job.requests), jobs, on_done)
+        return SerialRunner().map(lambda job: self.run(job.run, job.requests), jobs, on_done)
 
     def notes(self) -> tuple[str, ...]:
         return (self.measured.notes if self.measured else ()) + (HF_SKIPPED_NOTE,)
@@ -207,26 +212,27 @@ class VllmReplayer:
         self.max_model_len = max_model_len
         self.measured: MeasuredExtras | None = None
 
-    def resolve(self, config: RunConfig, requests: Sequence[Request], num_blocks: int | None = None) -> RunConfig:
+    def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
+                num_blocks: int | None = None) -> Experiment:
         from vtoken.engine.vllm.run import default_num_blocks
         from vtoken.model_spec import model_spec_from_hf_config
 
         require_vllm()
         spec = replace(model_spec_from_hf_config(self._folder()), dtype_bytes=4)  # the engine runs fp32
-        num_blocks = num_blocks or default_num_blocks(requests, config.concurrency, config.block_size)
-        return replace(config, model=spec, num_blocks=num_blocks)
+        num_blocks = num_blocks or default_num_blocks(requests, concurrency, experiment.block_size)
+        return replace(experiment, model=spec, num_blocks=num_blocks)
 
-    def run_variants(self, config: RunConfig, requests: Sequence[Request],
+    def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None) -> dict[str, RunResult]:
         from vtoken.engine.vllm.run import engine_spec_for, run_variants_on_vllm
 
         folder = self._folder()
-        spec = engine_spec_for(config, str(folder), self.max_model_len)
-        runs = run_variants_on_vllm(config, requests, spec, progress)
-        self.measured = MeasuredExtras("vllm", folder.name, config.num_blocks, (), speed_from_results(runs), {}, None)
+        spec = engine_spec_for(experiment, concurrency, str(folder), self.max_model_len)
+        runs = run_variants_on_vllm(experiment, requests, concurrency, spec, progress)
+        self.measured = MeasuredExtras("vllm", folder.name, experiment.num_blocks, (), speed_from_results(runs), {}, None)
         return runs
 
-    def run(self, config: RunConfig, requests: Sequence[Request]) -> RunResult:
+    def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
         raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
 
     def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
@@ -249,7 +255,7 @@ REPLAYERS: dict[str, type] = {r.executor: r for r in (SimReplayer, HFReplayer, V
 def make_replayer(name: str, *, model: object | None = None, on_status: Callable[[str], None] | None = None,
                   gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, runner: Runner | None = None,
                   cache: RunCache | None = None) -> Replayer:
-    """The replayer of executor `name`. `model`: sim: unused (the config's catalog model); hf:
+    """The replayer of executor `name`. `model`: sim: unused (the experiment's catalog model); hf:
     a name, folder or LoadedModel; vllm: a name or folder. `on_status`: one-line messages while a
     model loads. `gpu_mem_util`: the sim's default budget (the others size it for concurrency).
     `runner`, `cache`: where the sim's batches run and what it keeps (the real engines run here)."""

@@ -6,7 +6,7 @@
 
 `func` must be a module-level function and every job picklable (a `ReplayJob` is: frozen
 dataclasses and tuples). Results do not depend on the runner: a replay is a pure function of
-its config and requests (the sim is seeded by the config), so serial, process and Ray runs give
+its run (experiment and run spec) and requests (the sim is seeded by the experiment), so serial, process and Ray runs give
 the same results; only the host time each replay measured differs.
 
 Worker processes are spawned, not forked: a forked child would inherit the parent's threads and
@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vtoken.engine import RunConfig, run_sim
+from vtoken.engine import Run, run_sim
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
 from vtoken.trace import Request
@@ -38,13 +38,13 @@ RAY_INSTALL_HINT = "pip install 'vtoken[ray]' (or pip install 'ray>=2')"
 class ReplayJob:
     """One sim replay: what determines it, and nothing else."""
 
-    config: RunConfig
+    run: Run
     requests: tuple[Request, ...]
 
 
 def replay_job(job: ReplayJob) -> RunResult:
     """The sim replay of `job` (what every runner runs, in whatever process)."""
-    return run_sim(job.config, job.requests)
+    return run_sim(job.run, job.requests)
 
 
 class Runner(Protocol):

@@ -2,10 +2,11 @@
 
     sweep(trace, base, options, replayer, progress, num_blocks=None) -> SweepReport
 
-One factor at a time (default): each varied key takes each of its values while every other key
-keeps the base config's value. Grid: every combination, the first key varying slowest. Points
-whose parameters coincide (a base value listed under two keys) are one point. Every point's
-variants are independent replays, sent to `replayer.run_many` as one batch (local processes or
+A point is a `Run` (an experiment and its run spec: the concurrency), whose variant each of
+`options.variants` replaces. One factor at a time (default): each varied key takes each of its
+values while every other key keeps the base run's value. Grid: every combination, the first key
+varying slowest. Points whose parameters coincide (a base value listed under two keys) are one
+point. Every point's variants are independent replays, sent to `replayer.run_many` as one batch (local processes or
 Ray, vtoken.runners; cached replays are read back).
 
 A point's block budget: its `num_blocks` when that key is varied, else `num_blocks`, else the
@@ -20,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from vtoken.analysis import Progress
 from vtoken.compare import check_variants, variant_to_json
-from vtoken.engine import VARIANTS, RunConfig
+from vtoken.engine import VARIANTS, Run
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
@@ -32,32 +33,39 @@ from vtoken.trace import Trace
 
 @dataclass(frozen=True)
 class Parameter:
-    """A run parameter a sweep can vary: how to read it from a config, set it, and write it."""
+    """A run parameter a sweep can vary: how to read it from a run, set it, and write it."""
 
-    get: Callable[[RunConfig], object]
-    set: Callable[[RunConfig, object], RunConfig]
+    get: Callable[[Run], object]
+    set: Callable[[Run, object], Run]
     describe: Callable[[object], object] = lambda value: value  # a JSON-able value
 
 
-def _eviction(name: str) -> Callable[[RunConfig, object], RunConfig]:
-    return lambda c, v: replace(c, eviction=replace(c.eviction, **{name: v}))
+def _experiment(name: str) -> Parameter:
+    """A field of the experiment."""
+    return Parameter(lambda r: getattr(r.experiment, name),
+                     lambda r, v: replace(r, experiment=replace(r.experiment, **{name: v})))
 
 
-def _reclaim(name: str) -> Callable[[RunConfig, object], RunConfig]:
-    return lambda c, v: replace(c, reclaim=replace(c.reclaim, **{name: v}))
+def _eviction(name: str) -> Callable[[Run, object], Run]:
+    return lambda r, v: replace(r, experiment=replace(r.experiment, eviction=replace(r.experiment.eviction, **{name: v})))
+
+
+def _reclaim(name: str) -> Callable[[Run, object], Run]:
+    return lambda r, v: replace(r, experiment=replace(r.experiment, reclaim=replace(r.experiment.reclaim, **{name: v})))
 
 
 PARAMETERS: dict[str, Parameter] = {
-    "block_size": Parameter(lambda c: c.block_size, lambda c, v: replace(c, block_size=v)),
-    "budget": Parameter(lambda c: c.eviction.budget, _eviction("budget"), lambda b: _budget_text(b)),
-    "theta_f": Parameter(lambda c: c.reclaim.theta_f, _reclaim("theta_f")),
-    "policy": Parameter(lambda c: c.eviction.policy, _eviction("policy")),
-    "eviction_interval": Parameter(lambda c: c.eviction.interval_tokens, _eviction("interval_tokens")),
-    "model": Parameter(lambda c: c.model, lambda c, v: replace(c, model=v), lambda m: m.name),
-    "gpu": Parameter(lambda c: c.gpu, lambda c, v: replace(c, gpu=v), lambda g: g.name),
-    "concurrency": Parameter(lambda c: c.concurrency, lambda c, v: replace(c, concurrency=v)),
-    "num_blocks": Parameter(lambda c: c.num_blocks, lambda c, v: replace(c, num_blocks=v)),
-    "reclaim_mode": Parameter(lambda c: c.reclaim.mode, _reclaim("mode")),
+    "block_size": _experiment("block_size"),
+    "budget": Parameter(lambda r: r.experiment.eviction.budget, _eviction("budget"), lambda b: _budget_text(b)),
+    "theta_f": Parameter(lambda r: r.experiment.reclaim.theta_f, _reclaim("theta_f")),
+    "policy": Parameter(lambda r: r.experiment.eviction.policy, _eviction("policy")),
+    "eviction_interval": Parameter(lambda r: r.experiment.eviction.interval_tokens, _eviction("interval_tokens")),
+    "model": replace(_experiment("model"), describe=lambda m: m.name),
+    "gpu": replace(_experiment("gpu"), describe=lambda g: g.name),
+    "concurrency": Parameter(lambda r: r.spec.concurrency,
+                             lambda r, v: replace(r, spec=replace(r.spec, concurrency=v))),
+    "num_blocks": _experiment("num_blocks"),
+    "reclaim_mode": Parameter(lambda r: r.experiment.reclaim.mode, _reclaim("mode")),
 }
 
 
@@ -102,14 +110,14 @@ class SweepOptions:
 @dataclass(frozen=True)
 class SweepPointRuns:
     params: dict[str, object]  # every varied key -> its value at this point, as `Parameter.describe` writes it
-    config: RunConfig  # the point's config (variant: the last one run), its block budget resolved
+    run: Run  # the point's run (variant: the last one run), its block budget resolved
     runs: dict[str, RunResult]  # variant -> result
 
 
 @dataclass(frozen=True)
 class SweepReport:
     trace: Trace
-    base: RunConfig
+    base: Run
     options: SweepOptions
     points: tuple[SweepPointRuns, ...]
 
@@ -121,7 +129,7 @@ class SweepReport:
         return tuple(p for p in self.points if all(p.params[k] == anchor[k] for k in self.options.keys if k != key))
 
 
-def point_settings(base: RunConfig, options: SweepOptions) -> list[dict[str, object]]:
+def point_settings(base: Run, options: SweepOptions) -> list[dict[str, object]]:
     """Every point's value of each varied key (parsed values), in sweep order, without repeats."""
     base_values = {v.key: PARAMETERS[v.key].get(base) for v in options.varies}
     if options.is_grid:
@@ -134,30 +142,31 @@ def point_settings(base: RunConfig, options: SweepOptions) -> list[dict[str, obj
     return list(unique.values())
 
 
-def num_points(base: RunConfig, options: SweepOptions) -> int:
+def num_points(base: Run, options: SweepOptions) -> int:
     return len(point_settings(base, options))
 
 
-def sweep(trace: Trace, base: RunConfig, options: SweepOptions, replayer: Replayer,
+def sweep(trace: Trace, base: Run, options: SweepOptions, replayer: Replayer,
           progress: Progress | None = None, *, num_blocks: int | None = None) -> SweepReport:
     """Replay `trace` with `options.variants` at every point of the sweep (module docstring)."""
     if not replayer.supports_sweep:
         raise ConfigError(f"vtoken sweep runs on the sim executor, not {replayer.executor}")
     requests = trace.requests
     variants = options.variants
-    configs = []
+    point_runs = []
     for setting in point_settings(base, options):
-        config = base
+        run = base
         for key, value in setting.items():
-            config = PARAMETERS[key].set(config, value)
-        configs.append(replayer.resolve(config, requests, setting.get("num_blocks", num_blocks)))
-    jobs = [ReplayJob(replace(c, variant=v), requests) for c in configs for v in variants]
-    on_done = (lambda idx, result: progress(f"point {idx // len(variants) + 1}/{len(configs)}", 1)) if progress else None
+            run = PARAMETERS[key].set(run, value)
+        experiment = replayer.resolve(run.experiment, requests, run.spec.concurrency, setting.get("num_blocks", num_blocks))
+        point_runs.append(replace(run, experiment=experiment))
+    jobs = [ReplayJob(r.with_variant(v), requests) for r in point_runs for v in variants]
+    on_done = (lambda idx, result: progress(f"point {idx // len(variants) + 1}/{len(point_runs)}", 1)) if progress else None
     results = replayer.run_many(jobs, on_done)
     points = []
-    for i, (setting, config) in enumerate(zip(point_settings(base, options), configs)):
+    for i, (setting, run) in enumerate(zip(point_settings(base, options), point_runs)):
         runs = dict(zip(variants, results[i * len(variants):(i + 1) * len(variants)]))
-        points.append(SweepPointRuns(_described(setting), replace(config, variant=variants[-1]), runs))
+        points.append(SweepPointRuns(_described(setting), run.with_variant(variants[-1]), runs))
     return SweepReport(trace, base, options, tuple(points))
 
 
@@ -169,7 +178,7 @@ def report_to_json(report: SweepReport) -> dict:
                   "num_requests": len(report.trace.requests), "notes": list(report.trace.notes)},
         "varied": list(report.options.keys),
         "grid": report.options.is_grid,
-        "points": [{"params": dict(p.params), "num_blocks": p.config.num_blocks,
+        "points": [{"params": dict(p.params), "num_blocks": p.run.experiment.num_blocks,
                     "variants": {v: variant_to_json(r) for v, r in p.runs.items()}} for p in report.points],
     })
 

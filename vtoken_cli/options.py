@@ -14,7 +14,7 @@ import typer
 
 from vtoken import defaults
 from vtoken.cache import RunCache, default_cache_dir
-from vtoken.engine import EvictionConfig, RunConfig, SimProfile
+from vtoken.engine import EvictionConfig, Experiment, SimProfile
 from vtoken.engine.config import VARIANTS
 from vtoken.engine.sim import load_sim_profile
 from vtoken.errors import ConfigError
@@ -155,7 +155,7 @@ def check_positive(values: dict[str, int | None]) -> None:
             raise ConfigError(f"{flag} must be > 0, got {value}")
 
 
-def build_run_config(
+def build_experiment(
     *,
     model: str,
     gpu: str,
@@ -167,12 +167,12 @@ def build_run_config(
     eviction_interval: int,
     reclaim_mode: str,
     theta_f: float,
-    concurrency: int | None,
     seed: int,
     sim_profile: Path | None,
     reclaim_budget: int | None = None,
-) -> RunConfig:
-    """The `RunConfig` of a command's flags; every bad flag is a ConfigError that names it."""
+    reclaim_interval: int = defaults.RECLAIM_INTERVAL_STEPS,
+) -> Experiment:
+    """The `Experiment` of a command's flags; every bad flag is a ConfigError that names it."""
     if block_size <= 0:
         raise ConfigError(f"--block-size must be > 0, got {block_size}")
     if not 0 < gpu_mem_util <= 1:
@@ -180,25 +180,29 @@ def build_run_config(
     if not 0 < theta_f < 1:
         raise ConfigError(f"--theta-f must be in (0, 1), got {theta_f:g}")
     check_seed(seed)
-    check_positive({"--eviction-interval": eviction_interval, "--concurrency": concurrency,
-                    "--reclaim-budget": reclaim_budget})
+    check_positive({"--eviction-interval": eviction_interval, "--reclaim-budget": reclaim_budget})
     model_spec = resolve_model(model)
     gpu_spec = resolve_gpu(gpu)
     check_num_blocks(num_blocks, model_spec, gpu_spec, gpu_mem_util, block_size)
     if num_blocks is None:
         num_blocks = num_blocks_for_gpu(model_spec, gpu_spec, gpu_mem_util, block_size)
-    return RunConfig(
-        variant="vtoken",
+    return Experiment(
         model=model_spec,
         gpu=gpu_spec,
         num_blocks=num_blocks,
         block_size=block_size,
         eviction=EvictionConfig(resolve_policies([policy])[0], parse_budget(budget), eviction_interval),
-        reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f, max_moves_per_round=reclaim_budget),
-        concurrency=concurrency,
+        reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f, check_interval_steps=reclaim_interval,
+                              max_moves_per_round=reclaim_budget),
         seed=seed,
         sim=load_sim_profile(sim_profile) if sim_profile else SimProfile(),
     )
+
+
+def check_concurrency(concurrency: int | None) -> int | None:
+    """`--concurrency`: closed-loop clients, > 0 (None: open loop)."""
+    check_positive({"--concurrency": concurrency})
+    return concurrency
 
 
 def require_vllm() -> None:

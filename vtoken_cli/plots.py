@@ -25,7 +25,7 @@ STYLES = {"native": dict(color="tab:gray", marker="s", linestyle="-", markersize
 
 
 def compare_title(report: CompareReport) -> str:
-    cfg = report.config
+    cfg = report.experiment
     return (f"{Path(str(report.trace.source)).name} | {cfg.model.name} | {cfg.eviction.policy}, "
             f"{cfg.eviction.budget.describe()} | {cfg.num_blocks:,} blocks of {cfg.block_size} tokens")
 

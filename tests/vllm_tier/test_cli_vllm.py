@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from vtoken.checker import VLLM_CHECK_UNITS, CheckOptions, CheckReport, KVLayout, RunCheck, Tally, Violation
-from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken.engine.config import EvictionConfig, Experiment
 from vtoken.hardware import resolve_gpu
 from vtoken.model_spec import resolve_model
 from vtoken.policies.base import Budget
@@ -66,8 +66,8 @@ def test_a_caught_fault_in_table_form_names_the_invariant_and_the_run():
     tallies = {"I1": Tally(4), "I2": Tally(3), "I3": Tally(6, 1, violation), "I4": Tally()}
     run = RunCheck("trace.csv naive-evict", "h2o", "hole-fill", 32, 16, 3, 1, 3, 40, 0, 3,
                    "stopped after an I3 violation raised inside vLLM's step", tallies, 1.5)
-    base = RunConfig("vtoken", resolve_model("smollm2-135m"), resolve_gpu("h100-80gb"), num_blocks=16, block_size=32,
-                     eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 32))
+    base = Experiment(resolve_model("smollm2-135m"), resolve_gpu("h100-80gb"), num_blocks=16, block_size=32,
+                      eviction=EvictionConfig("h2o", Budget(keep_ratio=0.5), 32))
     report = CheckReport((run,), base, CheckOptions(policies=("h2o",), executor="vllm", fault="stale-slot"), "cpu", "sync",
                          (), 1.5, KVLayout(30, 3, 64, "float32"), dict(VLLM_CHECK_UNITS), model_kv=True)
     console = Console(file=io.StringIO(), width=200)

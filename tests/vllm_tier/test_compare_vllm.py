@@ -16,7 +16,7 @@ pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 from vtoken.checker import CheckOptions, TraceLimits, check_invariants  # noqa: E402
 from vtoken.checker.vllm import VLLM_NO_I4  # noqa: E402
 from vtoken.compare import CompareOptions, compare, report_to_json  # noqa: E402
-from vtoken.engine.config import EvictionConfig, RunConfig  # noqa: E402
+from vtoken.engine.config import EvictionConfig, Experiment  # noqa: E402
 from vtoken.replay import make_replayer  # noqa: E402
 from vtoken.hardware import resolve_gpu  # noqa: E402
 from vtoken.kv.reclaim import ReclaimConfig  # noqa: E402
@@ -38,11 +38,11 @@ def trace(tmp_path):
 
 
 def test_three_variants_on_vllm(trace, tiny_model_dir):
-    config = RunConfig(
-        variant="vtoken", model=resolve_model("smollm2-135m"), gpu=resolve_gpu("h100-80gb"), num_blocks=16,
+    experiment = Experiment(
+        model=resolve_model("smollm2-135m"), gpu=resolve_gpu("h100-80gb"), num_blocks=16,
         block_size=32, eviction=EvictionConfig("streaming_llm", Budget(num_tokens=48, num_recent_tokens=16), 8),
-        reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1), concurrency=3)
-    report = compare(trace, config, CompareOptions((3,)), make_replayer("vllm", model=tiny_model_dir))
+        reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1))
+    report = compare(trace, experiment, CompareOptions((3,), concurrency=3), make_replayer("vllm", model=tiny_model_dir))
     runs = report.runs
     assert set(runs) == {"native", "naive-evict", "vtoken"}
     assert all(r.num_completed == len(LENGTHS) for r in runs.values())
@@ -63,13 +63,13 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
 
 
 def test_check_invariants_on_vllm(trace, tiny_model_dir):
-    config = RunConfig(
-        variant="vtoken", model=resolve_model("smollm2-135m"), gpu=resolve_gpu("h100-80gb"), num_blocks=16,
+    experiment = Experiment(
+        model=resolve_model("smollm2-135m"), gpu=resolve_gpu("h100-80gb"), num_blocks=16,
         block_size=32, eviction=EvictionConfig("h2o", Budget(num_tokens=48, num_recent_tokens=16), 8),
-        reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1), concurrency=3)
+        reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1))
     short = replace(trace, requests=trace.requests[:4])
-    options = CheckOptions(policies=("h2o",), executor="vllm", limits=TraceLimits(None, None, None))
-    report = check_invariants([short], config, options, model=tiny_model_dir)
+    options = CheckOptions(policies=("h2o",), executor="vllm", limits=TraceLimits(None, None, None), concurrency=3)
+    report = check_invariants([short], experiment, options, model=tiny_model_dir)
     assert [(r.scenario, r.reclaim_mode) for r in report.runs] == [
         ("trace.jsonl naive-evict", "hole-fill"), ("trace.jsonl naive-evict", "ordered"),
         ("trace.jsonl vtoken", "hole-fill"), ("trace.jsonl vtoken", "ordered")]

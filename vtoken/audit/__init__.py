@@ -38,7 +38,7 @@ from vtoken.audit.deployment import (
 )
 from vtoken.audit.loop import LoopComparison, MeasuredWaste, compare_with_sim
 from vtoken.audit.measurement import (
-    AUDIT_VARIANTS, AuditProgress, Capacity, PolicyAudit, _largest_feasible, measure, num_progress_units, run_config,
+    AUDIT_VARIANTS, AuditProgress, Capacity, PolicyAudit, _largest_feasible, measure, num_progress_units, experiment_of,
 )
 from vtoken.audit.report import (
     DEFINITIONS, SAMPLE_ATTRIBUTION, AuditReport, DeploymentAudit, ReplicaFailure, budget_phrase, deployment_to_json,
@@ -61,7 +61,7 @@ __all__ = [
     "ReplicaFailure", "ReplicaWorkload", "Scrapes", "ServerWorkload", "Settings", "Workload",
     "_largest_feasible", "audit", "audit_deployment", "budget_phrase", "bundled_sample_path", "deployment_to_json",
     "load_settings", "load_workload", "measure", "num_progress_units", "policy_title", "probe_gpus", "report_rows",
-    "report_to_json", "resolve_deployment", "resolve_replicas", "run_config", "verdict", "window_scrapes",
+    "report_to_json", "resolve_deployment", "resolve_replicas", "experiment_of", "verdict", "window_scrapes",
     "workload_traces",
 ]
 

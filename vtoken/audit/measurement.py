@@ -18,11 +18,11 @@ definitions that are the audit's own (`vtoken.audit.report.DEFINITIONS`, printed
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from vtoken.analysis import frontier
 from vtoken.audit.deployment import Deployment
-from vtoken.engine import EvictionConfig, RunConfig, run_sim
+from vtoken.engine import EvictionConfig, Experiment, Run, run_sim
 from vtoken.metrics import RunResult
 from vtoken.trace import Request, num_output_tokens
 
@@ -78,36 +78,37 @@ def measure(deployment: Deployment, requests: Sequence[Request],
     """Replay `requests` through native once and naive-evict + vtoken per policy, closed loop at
     the workload's concurrency on the deployment's block budget; then search the capacity."""
     tracker = _Tracker(progress, num_progress_units(deployment, requests))
-    base = run_config(deployment, deployment.policies[0])
-    native = _replay(replace(base, variant="native"), requests, tracker)
-    native_capacity = _capacity(replace(base, variant="native"), requests, deployment, None)
+    concurrency = deployment.workload.concurrency
+    base = experiment_of(deployment, deployment.policies[0])
+    native = _replay(base.run("native", concurrency), requests, tracker)
+    native_capacity = _capacity(base.run("native", concurrency), requests, deployment, None)
     tracker.advance("capacity native", 1)
     audits = []
     for policy in deployment.policies:
-        config = run_config(deployment, policy)
+        experiment = experiment_of(deployment, policy)
         runs = {"native": native}
         capacity = {"native": native_capacity}
         guess = native_capacity.max_concurrency
         for variant in ("naive-evict", "vtoken"):
-            runs[variant] = _replay(replace(config, variant=variant), requests, tracker)
-            capacity[variant] = _capacity(replace(config, variant=variant), requests, deployment, guess)
+            runs[variant] = _replay(experiment.run(variant, concurrency), requests, tracker)
+            capacity[variant] = _capacity(experiment.run(variant, concurrency), requests, deployment, guess)
             guess = capacity[variant].max_concurrency
             tracker.advance(f"capacity {policy}", 1)
         audits.append(_policy_audit(policy, runs, capacity, deployment))
     return tuple(audits)
 
 
-def run_config(deployment: Deployment, policy: str) -> RunConfig:
-    return RunConfig(
-        variant="vtoken", model=deployment.model, gpu=deployment.gpu, num_blocks=deployment.num_blocks,
-        block_size=deployment.block_size,
-        eviction=EvictionConfig(policy, deployment.budget, deployment.interval_tokens),
-        concurrency=deployment.workload.concurrency, seed=deployment.seed,
+def experiment_of(deployment: Deployment, policy: str) -> Experiment:
+    """The deployment as an experiment, evicting with `policy` (its runs: the workload's concurrency)."""
+    return Experiment(
+        model=deployment.model, gpu=deployment.gpu, num_blocks=deployment.num_blocks, block_size=deployment.block_size,
+        eviction=EvictionConfig(policy, deployment.budget, deployment.interval_tokens), seed=deployment.seed,
     )
 
 
-def _replay(config: RunConfig, requests: Sequence[Request], tracker: _Tracker) -> RunResult:
-    stage = config.variant if config.variant == "native" else f"{config.eviction.policy} {config.variant}"
+def _replay(run: Run, requests: Sequence[Request], tracker: _Tracker) -> RunResult:
+    variant = run.spec.variant
+    stage = variant if variant == "native" else f"{run.experiment.eviction.policy} {variant}"
     num_done = 0
 
     def on_progress(num_units: int) -> None:
@@ -115,7 +116,7 @@ def _replay(config: RunConfig, requests: Sequence[Request], tracker: _Tracker) -
         num_done += num_units
         tracker.advance(stage, num_units)
 
-    result = run_sim(config, requests, on_progress)
+    result = run_sim(run, requests, on_progress)
     tracker.advance(stage, num_output_tokens(requests) - num_done)  # Runtime.run reports them all
     return result
 
@@ -130,13 +131,13 @@ def _policy_audit(policy: str, runs: dict[str, RunResult], capacity: dict[str, C
 # ---- capacity: the largest concurrency that fits ------------------------------------------------
 
 
-def _capacity(config: RunConfig, requests: Sequence[Request], deployment: Deployment, guess: int | None) -> Capacity:
+def _capacity(run: Run, requests: Sequence[Request], deployment: Deployment, guess: int | None) -> Capacity:
     """Largest C <= frontier_max_concurrency with `analysis.frontier` feasible for this variant.
 
     `guess` (another variant's answer; the cap when None) is probed first.
     """
     cap = deployment.frontier_max_concurrency
-    is_feasible = _memoized(lambda c: frontier(config, requests, (c,), (config.variant,)).points[0].is_feasible)
+    is_feasible = _memoized(lambda c: frontier(run.experiment, requests, (c,), (run.spec.variant,)).points[0].is_feasible)
     found = _largest_feasible(is_feasible, 0, cap + 1, cap if guess is None else guess)
     return Capacity(found, found == cap)
 

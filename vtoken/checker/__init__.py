@@ -32,7 +32,7 @@ from vtoken.checker.scenarios import (
     SAMPLE_TRACES_DIR, TRACE_SUFFIXES, CheckOptions, Scenario, build_scenarios, bundled_sample_traces, fuzz_scenario,
     pressure_num_blocks, scale_requests,
 )
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Experiment
 from vtoken.errors import ConfigError
 from vtoken.trace import Trace
 
@@ -57,10 +57,10 @@ class Checker(Protocol):
     def default_traces(self, options: CheckOptions) -> list[Trace]:
         """The traces checked when the caller gives none."""
 
-    def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
+    def num_progress_units(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions) -> int:
         """Units `check` reports to `progress` in all (raises ConfigError for options it refuses)."""
 
-    def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
+    def check(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions,
               progress: Progress | None = None) -> CheckReport:
         """Every run of `traces` under `options`, checked."""
 
@@ -82,21 +82,21 @@ def make_checker(executor: str, *, model: object | None = None,
     return getattr(importlib.import_module(module), name)(model, on_status)
 
 
-def check_invariants(traces: Sequence[Trace] | None, base: RunConfig, options: CheckOptions,
+def check_invariants(traces: Sequence[Trace] | None, base: Experiment, options: CheckOptions,
                      progress: Progress | None = None, *, model: object | None = None,
                      on_status: Callable[[str], None] | None = None) -> CheckReport:
     """Check `traces` (None: the executor's default traces) on `options.executor`, with every
     invariant it can check on every event, and return one `CheckReport`.
 
-    `base` gives the GPU, budget, eviction interval, concurrency and seed; `base.num_blocks`
-    caps the block budget. `model`: see `Checker`.
+    `base` gives the GPU, budget, eviction interval and seed; `base.num_blocks` caps the block
+    budget; `options.concurrency` is every trace run's. `model`: see `Checker`.
     """
     checker = make_checker(options.executor, model=model, on_status=on_status)
     traces = checker.default_traces(options) if traces is None else traces
     return checker.check(traces, base, options, progress)
 
 
-def num_progress_units(traces: Sequence[Trace] | None, base: RunConfig, options: CheckOptions, *,
+def num_progress_units(traces: Sequence[Trace] | None, base: Experiment, options: CheckOptions, *,
                        model: object | None = None) -> int:
     """Units `check_invariants` reports to its progress callback in all."""
     checker = make_checker(options.executor, model=model)

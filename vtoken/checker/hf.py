@@ -30,7 +30,7 @@ from vtoken.checker.observer import CheckingObserver, run_checked, torch_threads
 from vtoken.checker.report import CheckReport, KVLayout, RunCheck
 from vtoken.checker.scenarios import CheckOptions, Scenario, build_scenarios, bundled_sample_traces
 from vtoken.checker.snapshots import ModelKVSnapshots
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Experiment
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.models import LoadedModel, load_model
 from vtoken.trace import Trace, load_trace, num_output_tokens
@@ -68,11 +68,11 @@ class HFChecker:
         """Every bundled sample trace (cut down harder: `HF_LIMITS`); none when fuzz draws are asked for."""
         return [] if options.num_fuzz_scenarios else [load_trace(p) for p in bundled_sample_traces()]
 
-    def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
+    def num_progress_units(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions) -> int:
         scenarios, _ = build_scenarios(traces, base, options)
         return sum(num_output_tokens(s.requests) for s in scenarios)
 
-    def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
+    def check(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions,
               progress: Progress | None = None) -> CheckReport:
         model = self.model
         if not isinstance(model, LoadedModel):
@@ -82,7 +82,7 @@ class HFChecker:
         return check_on_model(traces, base, options, model, progress)
 
 
-def check_on_model(traces: Sequence[Trace], base: RunConfig, options: CheckOptions, model: LoadedModel,
+def check_on_model(traces: Sequence[Trace], base: Experiment, options: CheckOptions, model: LoadedModel,
                    progress: Progress | None = None) -> CheckReport:
     """The check on `model`: its KV geometry replaces `base.model`, the block cap is what
     `base.gpu` leaves for it, and the KV lives where the model does (`options.device` is the
@@ -112,7 +112,7 @@ def check_hf_scenario(scenario: Scenario, model: LoadedModel, fault: str | None 
     scenario = replace(scenario, requests=tuple(replace(r, prompt=None) for r in scenario.requests))
     injector = make_fault(fault)
     observer = CheckingObserver(scenario, injector)
-    runtime = build_hf_runtime(scenario.config, scenario.requests, model, observer=observer,
+    runtime = build_hf_runtime(scenario.run, scenario.requests, model, observer=observer,
                                make_copy_engine=lambda kv_cache: injector.copy_engine(make_copy_engine(kv_cache)),
                                planner_factory=injector.planner_factory(), table_factory=injector.table_factory())
     observer.bind(runtime, ModelKVSnapshots(runtime.executor.kv_cache))

@@ -55,7 +55,7 @@ class CheckingObserver:
     def __init__(self, scenario: Scenario, fault: Fault) -> None:
         self.scenario = scenario
         self.fault = fault
-        self.block_size = scenario.config.block_size
+        self.block_size = scenario.run.experiment.block_size
         self.runtime: Runtime | None = None
         self.contents: KVContents | ModelKVSnapshots | None = None
         self.copy_engine: CopyEngine | None = None
@@ -186,11 +186,11 @@ class CheckingObserver:
         table = self._table_of(req_idx)
         if block_id is None and table is not None and token_id is not None and token_id < table.num_tokens:
             block_id, offset = int(table.token_block_ids[token_id]), int(table.token_offsets[token_id])
-        config = self.scenario.config
+        experiment = self.scenario.run.experiment
         requests = self.scenario.requests
         self._first[invariant] = Violation(
-            invariant, f"{exc} ({note})" if note else str(exc), self.scenario.name, config.eviction.policy,
-            config.reclaim.mode, requests[req_idx].request_id if req_idx is not None else None,
+            invariant, f"{exc} ({note})" if note else str(exc), self.scenario.name, experiment.eviction.policy,
+            experiment.reclaim.mode, requests[req_idx].request_id if req_idx is not None else None,
             req_idx, token_id, block_id, offset,
         )
 
@@ -204,7 +204,7 @@ def run_checked(observer: CheckingObserver, on_progress: Callable[[int], None] |
     """Run the runtime bound to `observer` to the end; what was checked and what failed.
     `on_progress(n)`: n more tokens generated (Runtime.run: they sum to the output tokens)."""
     started = time.perf_counter()
-    runtime, scenario, config = observer.runtime, observer.scenario, observer.scenario.config
+    runtime, scenario, experiment = observer.runtime, observer.scenario, observer.scenario.run.experiment
     num_done = [0]
 
     def count_done(n: int) -> None:
@@ -217,8 +217,8 @@ def run_checked(observer: CheckingObserver, on_progress: Callable[[int], None] |
     if on_progress is not None and num_done[0] < num_total:  # a failed check stops the run early
         on_progress(num_total - num_done[0])
     return RunCheck(
-        scenario=scenario.name, policy=config.eviction.policy, reclaim_mode=config.reclaim.mode,
-        block_size=config.block_size, num_blocks=config.num_blocks, num_requests=len(scenario.requests),
+        scenario=scenario.name, policy=experiment.eviction.policy, reclaim_mode=experiment.reclaim.mode,
+        block_size=experiment.block_size, num_blocks=experiment.num_blocks, num_requests=len(scenario.requests),
         num_completed=runtime.recorder_completed(), relocation_events=observer.num_relocations,
         tokens_moved=observer.num_tokens_moved, preemptions=runtime.counters.preemptions,
         faults_injected=observer.fault.num_injected, stopped=stopped, tallies=observer.tallies(),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from vtoken.checker.names import CHECK_UNITS, FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
 from vtoken.checker.scenarios import CheckOptions
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Experiment
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -107,7 +107,7 @@ class GroupTotal(_Totals):
 @dataclass(frozen=True)
 class CheckReport(_Totals):
     runs: tuple[RunCheck, ...]
-    base: RunConfig  # what every trace scenario starts from (fuzz draws replace most of it)
+    base: Experiment  # what every trace scenario starts from (fuzz draws replace most of it)
     options: CheckOptions
     device: str
     copy_mode: str
@@ -163,7 +163,7 @@ def _config_json(report: CheckReport) -> dict:
         "kv_shape": vars(report.kv_layout).copy(),
         "model": base.model.name, "gpu": base.gpu.name, "block_size": options.block_size or base.block_size,
         "num_blocks": options.num_blocks, "budget": base.eviction.budget.describe(),
-        "eviction_interval_tokens": base.eviction.interval_tokens, "concurrency": base.concurrency,
+        "eviction_interval_tokens": base.eviction.interval_tokens, "concurrency": options.concurrency,
         "theta_f": base.reclaim.theta_f, "reclaim_check_interval_steps": base.reclaim.check_interval_steps,
         "seed": base.seed, "policies": list(options.policies), "reclaim_modes": list(options.reclaim_modes),
         "num_fuzz_scenarios": options.num_fuzz_scenarios, "limits": vars(options.limits).copy(),

@@ -14,7 +14,8 @@ import numpy as np
 
 import vtoken
 from vtoken.checker.names import EXECUTORS, FAULT_KINDS, PRESSURE, TraceLimits
-from vtoken.engine.config import EvictionConfig, RunConfig
+from vtoken import defaults
+from vtoken.engine.config import EvictionConfig, Experiment, Run
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
@@ -33,9 +34,10 @@ class CheckOptions:
     fault: str | None = None
     num_fuzz_scenarios: int = 0
     num_blocks: int | None = None  # None: chosen per trace so that the pool is under pressure
-    block_size: int | None = None  # None: the base config's (fuzz: drawn per scenario)
+    block_size: int | None = None  # None: the base experiment's (fuzz: drawn per scenario)
     limits: TraceLimits = field(default_factory=TraceLimits)
     device: str | None = None  # None: cuda when available, else cpu
+    concurrency: int | None = defaults.CHECK_CONCURRENCY  # the traces' closed-loop clients; None = open loop
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -56,6 +58,8 @@ class CheckOptions:
             raise ConfigError(f"--fuzz must be >= 0 scenarios, got {self.num_fuzz_scenarios}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"--num-blocks must be > 0, got {self.num_blocks}")
+        if self.concurrency is not None and self.concurrency <= 0:
+            raise ConfigError(f"--concurrency must be > 0, got {self.concurrency}")
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"--block-size must be > 0, got {self.block_size}")
         if self.device not in (None, "cpu", "cuda"):
@@ -72,16 +76,17 @@ def _has_cuda() -> bool:
 
 @dataclass(frozen=True)
 class Scenario:
-    """One run to check: requests and the full config (policy, reclaim mode, budget, geometry)."""
+    """One run to check: requests and the full run (policy, reclaim mode, budget, geometry, concurrency)."""
 
     name: str
     requests: tuple[Request, ...]
-    config: RunConfig
+    run: Run
 
     @property
     def label(self) -> str:
         """What the progress bar shows: name policy/mode."""
-        return f"{self.name} {self.config.eviction.policy}/{self.config.reclaim.mode}"
+        experiment = self.run.experiment
+        return f"{self.name} {experiment.eviction.policy}/{experiment.reclaim.mode}"
 
 
 def bundled_sample_traces() -> list[Path]:
@@ -92,7 +97,7 @@ def bundled_sample_traces() -> list[Path]:
     return paths
 
 
-def build_scenarios(traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> tuple[list[Scenario], list[str]]:
+def build_scenarios(traces: Sequence[Trace], base: Experiment, options: CheckOptions) -> tuple[list[Scenario], list[str]]:
     """Scenarios of the traces (x policies x reclaim modes) and the fuzz draws; notes say what
     was cut down."""
     scenarios: list[Scenario] = []
@@ -103,12 +108,12 @@ def build_scenarios(traces: Sequence[Trace], base: RunConfig, options: CheckOpti
         requests, cut = scale_requests(trace.requests, options.limits)
         if cut:
             notes.append(f"{name}: {cut}")
-        num_blocks = options.num_blocks or pressure_num_blocks(requests, block_size, base)
+        num_blocks = options.num_blocks or pressure_num_blocks(requests, block_size, base, options.concurrency)
         for policy in options.policies:
             for mode in options.reclaim_modes:
-                config = replace(base, variant="vtoken", block_size=block_size, num_blocks=num_blocks,
-                                 eviction=replace(base.eviction, policy=policy), reclaim=replace(base.reclaim, mode=mode))
-                scenarios.append(Scenario(name, requests, config))
+                experiment = replace(base, block_size=block_size, num_blocks=num_blocks,
+                                     eviction=replace(base.eviction, policy=policy), reclaim=replace(base.reclaim, mode=mode))
+                scenarios.append(Scenario(name, requests, experiment.run("vtoken", options.concurrency)))
     scenarios += [fuzz_scenario(i, base, options) for i in range(options.num_fuzz_scenarios)]
     return scenarios, notes
 
@@ -138,12 +143,12 @@ def _capped(request: Request, max_prompt: int, max_output: int) -> Request:
                    prefix_id=prefix_id, num_prefix_tokens=num_prefix if prefix_id else 0)
 
 
-def pressure_num_blocks(requests: Sequence[Request], block_size: int, base: RunConfig) -> int:
+def pressure_num_blocks(requests: Sequence[Request], block_size: int, base: Experiment, concurrency: int | None) -> int:
     """A budget under pressure: PRESSURE x the peak blocks of the `concurrency` largest requests,
     at least the largest request plus the ordered headroom, at most what the model leaves on
     the GPU (`base.num_blocks`)."""
     peaks = sorted((-(-(r.num_prompt_tokens + r.num_output_tokens) // block_size) for r in requests), reverse=True)
-    num_resident = base.concurrency or len(peaks)
+    num_resident = concurrency or len(peaks)
     num_blocks = max(int(np.ceil(PRESSURE * sum(peaks[:num_resident]))), peaks[0] + base.reclaim.max_src_blocks + 1)
     return min(num_blocks, base.num_blocks)
 
@@ -151,7 +156,7 @@ def pressure_num_blocks(requests: Sequence[Request], block_size: int, base: RunC
 # ---- fuzz ------------------------------------------------------------------------------------------
 
 
-def fuzz_scenario(index: int, base: RunConfig, options: CheckOptions) -> Scenario:
+def fuzz_scenario(index: int, base: Experiment, options: CheckOptions) -> Scenario:
     """Random scenario `index` of seed `base.seed`: requests (lengths, arrivals, shared
     prefixes), budget, policy, reclaim mode and its knobs, block size and block budget."""
     rng = np.random.default_rng([base.seed, index, 0xF0])
@@ -165,18 +170,17 @@ def fuzz_scenario(index: int, base: RunConfig, options: CheckOptions) -> Scenari
     reclaim = ReclaimConfig(mode=mode, theta_f=float(rng.uniform(0.05, 0.5)), check_interval_steps=int(rng.integers(1, 5)),
                             max_src_blocks=int(rng.integers(2, 33)))
     concurrency = None if rng.random() < 0.3 else int(rng.integers(1, 9))
-    config = replace(
-        base, variant="vtoken", block_size=block_size, concurrency=concurrency, seed=int(rng.integers(0, 2**31)),
-        max_fused_steps=int(rng.integers(1, 17)),
-        eviction=EvictionConfig(str(rng.choice(options.policies)), keep, int(rng.choice([1, 4, 8, 16, 32]))),
-        reclaim=reclaim,
-    )
+    seed = int(rng.integers(0, 2**31))
+    scheduler = replace(base.scheduler, max_fused_steps=int(rng.integers(1, 17)))
+    eviction = EvictionConfig(str(rng.choice(options.policies)), keep, int(rng.choice([1, 4, 8, 16, 32])))
     # From starved (long requests dropped, preemption) to roomy; the floor admits most requests.
     peaks = sorted(-(-(r.num_prompt_tokens + r.num_output_tokens) // block_size) for r in requests)
     num_resident_peak = sum(peaks[-(concurrency or len(peaks)):])
     num_floor = int(rng.uniform(0.5, 1.0) * peaks[-1]) + reclaim.num_headroom_blocks + 1
     num_blocks = options.num_blocks or max(int(rng.uniform(0.1, 1.0) * num_resident_peak), num_floor)
-    return Scenario(f"fuzz-{index:03d}", requests, replace(config, num_blocks=num_blocks))
+    experiment = replace(base, block_size=block_size, num_blocks=num_blocks, seed=seed, scheduler=scheduler,
+                         eviction=eviction, reclaim=reclaim)
+    return Scenario(f"fuzz-{index:03d}", requests, experiment.run("vtoken", concurrency))
 
 
 def _fuzz_requests(rng: np.random.Generator, block_size: int) -> tuple[Request, ...]:

@@ -21,7 +21,7 @@ from vtoken.checker.faults import make_fault
 from vtoken.checker.observer import CheckingObserver, run_checked, torch_threads
 from vtoken.checker.report import CheckReport, RunCheck
 from vtoken.checker.scenarios import CheckOptions, Scenario, build_scenarios, bundled_sample_traces
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Experiment
 from vtoken.engine.runtime import Runtime
 from vtoken.engine.sim import SimExecutor
 from vtoken.hardware import num_blocks_for_gpu
@@ -45,11 +45,11 @@ class SimChecker:
         """Every bundled sample trace; none when fuzz draws are asked for."""
         return [] if options.num_fuzz_scenarios else [load_trace(p) for p in bundled_sample_traces()]
 
-    def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
+    def num_progress_units(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions) -> int:
         scenarios, _ = build_scenarios(traces, self._resolve(base, options), options)
         return sum(num_output_tokens(s.requests) for s in scenarios)
 
-    def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
+    def check(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions,
               progress: Progress | None = None) -> CheckReport:
         started = time.perf_counter()
         base = self._resolve(base, options)
@@ -64,7 +64,7 @@ class SimChecker:
         return CheckReport(tuple(runs), base, options, device, copy_mode_for(device), tuple(notes),
                            time.perf_counter() - started, SYNTHETIC_KV_LAYOUT)
 
-    def _resolve(self, base: RunConfig, options: CheckOptions) -> RunConfig:
+    def _resolve(self, base: Experiment, options: CheckOptions) -> Experiment:
         if self.model is None:
             return base
         spec = resolve_model(self.model)
@@ -78,13 +78,13 @@ def check_scenario(scenario: Scenario, fault: str | None = None, device: str = "
                    copy_engine_for: Callable[[PagedKVCache], CopyEngine] = make_copy_engine) -> RunCheck:
     """Run one scenario on the sim executor under the checker; returns what was checked and what failed.
     `copy_engine_for(kv_cache)`: the copy engine the fault (if any) wraps."""
-    config = scenario.config
-    shape = KVShape(KV_NUM_LAYERS, config.num_blocks, config.block_size, KV_NUM_HEADS, KV_HEAD_DIM)
+    experiment = scenario.run.experiment
+    shape = KVShape(KV_NUM_LAYERS, experiment.num_blocks, experiment.block_size, KV_NUM_HEADS, KV_HEAD_DIM)
     kv_cache = PagedKVCache(shape, KV_DTYPE, device)
     injector = make_fault(fault)
     observer = CheckingObserver(scenario, injector)
-    executor = SimExecutor(config.model, config.gpu, config.sim, config.seed)
-    runtime = Runtime(config, scenario.requests, executor, copy_engine=injector.copy_engine(copy_engine_for(kv_cache)),
+    executor = SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed)
+    runtime = Runtime(scenario.run, scenario.requests, executor, copy_engine=injector.copy_engine(copy_engine_for(kv_cache)),
                       observer=observer, planner_factory=injector.planner_factory(),
                       table_factory=injector.table_factory())
     observer.bind(runtime, KVContents(book or KVBook(scenario.requests), kv_cache))

@@ -28,7 +28,7 @@ from vtoken.checker.faults import Fault, make_fault
 from vtoken.checker.names import INVARIANTS, VLLM_CHECK_UNITS
 from vtoken.checker.report import CheckReport, KVLayout, RunCheck, Tally, Violation
 from vtoken.checker.scenarios import CheckOptions, bundled_sample_traces, scale_requests
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Experiment, Run
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.model_spec import model_spec_from_hf_config
 from vtoken.trace import Request, Trace, load_trace, num_output_tokens
@@ -53,12 +53,12 @@ class VllmChecker:
     def default_traces(self, options: CheckOptions) -> list[Trace]:
         return [load_trace(next(p for p in bundled_sample_traces() if p.name == VLLM_DEFAULT_TRACE))]
 
-    def num_progress_units(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions) -> int:
+    def num_progress_units(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions) -> int:
         self._validate(options)
         requests = [r for t in traces for r in scale_requests(t.requests, options.limits)[0]]
         return len(VLLM_CHECK_VARIANTS) * len(options.reclaim_modes) * num_output_tokens(requests)
 
-    def check(self, traces: Sequence[Trace], base: RunConfig, options: CheckOptions,
+    def check(self, traces: Sequence[Trace], base: Experiment, options: CheckOptions,
               progress: Progress | None = None) -> CheckReport:
         from vtoken.engine.vllm.engine import model_runner_of, open_llm
         from vtoken.engine.vllm.run import default_num_blocks, engine_spec_for, settings_for
@@ -71,16 +71,16 @@ class VllmChecker:
         all_requests = [r for _, requests, _ in cut for r in requests]
         base = replace(base, model=replace(model_spec_from_hf_config(folder), dtype_bytes=4),  # the engine runs fp32
                        block_size=block_size, eviction=replace(base.eviction, policy=options.policies[0]),
-                       num_blocks=options.num_blocks or default_num_blocks(all_requests, base.concurrency, block_size))
+                       num_blocks=options.num_blocks or default_num_blocks(all_requests, options.concurrency, block_size))
         notes = [f"{name}: {note}" for name, _, note in cut if note] + self._policy_notes(options) + [VLLM_NO_I4]
         runs: list[RunCheck] = []
-        with open_llm(engine_spec_for(base, str(folder)), settings_for(base, "vtoken")) as llm:
+        with open_llm(engine_spec_for(base, options.concurrency, str(folder)), settings_for(base, "vtoken")) as llm:
             runner = model_runner_of(llm)
             put_fault(llm, fault)
             for name, requests, _ in cut:
                 for variant, mode in ((v, m) for v in VLLM_CHECK_VARIANTS for m in options.reclaim_modes):
-                    config = replace(base, variant=variant, reclaim=replace(base.reclaim, mode=mode))
-                    runs.append(_check_run(llm, f"{name} {variant}", config, requests, fault, progress))
+                    run = replace(base, reclaim=replace(base.reclaim, mode=mode)).run(variant, options.concurrency)
+                    runs.append(_check_run(llm, f"{name} {variant}", run, requests, fault, progress))
                     if runs[-1].stopped:
                         break
                 if runs and runs[-1].stopped:
@@ -132,13 +132,14 @@ def put_fault(llm, fault: Fault) -> None:
     scheduler.reconfigure(scheduler.vtoken_settings, table_factory=fault.vllm_table_factory())
 
 
-def _check_run(llm, scenario: str, config: RunConfig, requests: Sequence[Request], fault: Fault,
+def _check_run(llm, scenario: str, run: Run, requests: Sequence[Request], fault: Fault,
                progress: Progress | None) -> RunCheck:
     """Replay `requests` with every check on; the checks run and the violation that stopped it."""
     from vtoken.engine.vllm.engine import model_runner_of, scheduler_of
     from vtoken.engine.vllm.run import replay
 
     started = time.perf_counter()
+    experiment = run.experiment
     runner = model_runner_of(llm)
     runner_checks_before = Counter(runner.vtoken_num_checks or {})
     num_injected_before = fault.num_injected
@@ -147,13 +148,13 @@ def _check_run(llm, scenario: str, config: RunConfig, requests: Sequence[Request
     def on_done(n: int) -> None:
         num_done[0] += n
         if progress is not None:
-            progress(f"{scenario} {config.eviction.policy}/{config.reclaim.mode}", n)
+            progress(f"{scenario} {experiment.eviction.policy}/{experiment.reclaim.mode}", n)
 
     violation = None
     try:
-        replay(llm, config, requests, on_done, check_invariants=True)
+        replay(llm, run, requests, on_done, check_invariants=True)
     except InvariantError as exc:
-        violation = Violation(exc.invariant, str(exc), scenario, config.eviction.policy, config.reclaim.mode,
+        violation = Violation(exc.invariant, str(exc), scenario, experiment.eviction.policy, experiment.reclaim.mode,
                               block_id=exc.where.get("block_id"), offset=exc.where.get("offset"))
     if progress is not None and num_done[0] < num_output_tokens(requests):  # skipped or stopped early
         progress(scenario, num_output_tokens(requests) - num_done[0])
@@ -164,8 +165,8 @@ def _check_run(llm, scenario: str, config: RunConfig, requests: Sequence[Request
                for name in INVARIANTS}
     counters = tracker.counters
     return RunCheck(
-        scenario=scenario, policy=config.eviction.policy, reclaim_mode=config.reclaim.mode,
-        block_size=config.block_size, num_blocks=config.num_blocks, num_requests=len(requests),
+        scenario=scenario, policy=experiment.eviction.policy, reclaim_mode=experiment.reclaim.mode,
+        block_size=experiment.block_size, num_blocks=experiment.num_blocks, num_requests=len(requests),
         num_completed=num_done[0], relocation_events=counters.relocation_events, tokens_moved=counters.tokens_moved,
         preemptions=counters.preemptions, faults_injected=fault.num_injected - num_injected_before,
         stopped=None if violation is None else f"stopped after an {violation.invariant} violation raised inside vLLM's step",

@@ -1,8 +1,10 @@
-"""One config object from which one place (`engine.runtime.build_runtime`) builds a run."""
+"""What a run is made of: an `Experiment` (what every run of a comparison or sweep shares) and
+a `RunSpec` (one run of it: variant, concurrency), paired as a `Run`, which `engine.runtime`
+replays and `vtoken.cache` keys. Nothing else builds a run from another one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vtoken import defaults
 from vtoken.errors import ConfigError
@@ -36,6 +38,46 @@ class EvictionConfig:
             raise ConfigError(f"eviction interval must be > 0 tokens, got {self.interval_tokens}")
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits, as vLLM's `SchedulerConfig` names them where it has them."""
+
+    max_num_seqs: int = 256  # most requests resident at once (vLLM's max_num_seqs)
+    max_fused_steps: int = 16  # the sim advances up to this many decode steps per iteration
+
+    def __post_init__(self) -> None:
+        if self.max_fused_steps <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("max_fused_steps and max_num_seqs must be > 0")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What every run of a comparison or sweep shares: the model on its GPU, the KV block
+    budget, what eviction and reclamation do, the scheduler's limits, the seed and the cost
+    model. `experiment.run(variant, concurrency)` is one run of it."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    num_blocks: int
+    block_size: int = defaults.BLOCK_SIZE
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = defaults.SEED
+    sim: SimProfile = field(default_factory=SimProfile)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block size must be > 0 tokens, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise ConfigError(f"the KV budget must be > 0 blocks, got {self.num_blocks}")
+
+    def run(self, variant: str, concurrency: int | None, *, admit_all_at_start: bool = False) -> Run:
+        """One run of this experiment: `variant` with `concurrency` closed-loop clients (None:
+        open loop, by the trace's timestamps)."""
+        return Run(self, RunSpec(variant, concurrency, admit_all_at_start))
+
+
 class VariantRole:
     """What a variant does: `naive-evict` and `vtoken` evict, only `vtoken` reclaims. Mixed into
     every configuration that names a `variant`."""
@@ -52,29 +94,28 @@ class VariantRole:
 
 
 @dataclass(frozen=True)
-class RunConfig(VariantRole):
+class RunSpec(VariantRole):
+    """One run of an experiment: which variant, and how requests arrive."""
+
     variant: str
-    model: ModelSpec
-    gpu: GpuSpec
-    num_blocks: int
-    block_size: int = defaults.BLOCK_SIZE
-    eviction: EvictionConfig = field(default_factory=EvictionConfig)
-    reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
-    concurrency: int | None = 8  # closed loop with C clients; None = open loop by timestamps
-    max_num_seqs: int = 256  # most requests resident at once (vLLM's max_num_seqs)
-    max_fused_steps: int = 16  # the sim advances up to this many decode steps per iteration
+    concurrency: int | None  # closed loop with C clients; None = open loop by timestamps
     admit_all_at_start: bool = False  # capacity frontier: every request resident from t = 0
-    seed: int = defaults.SEED
-    sim: SimProfile = field(default_factory=SimProfile)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ConfigError(f"unknown variant '{self.variant}'; choose one of: {', '.join(VARIANTS)}")
-        if self.block_size <= 0:
-            raise ConfigError(f"block size must be > 0 tokens, got {self.block_size}")
-        if self.num_blocks <= 0:
-            raise ConfigError(f"the KV budget must be > 0 blocks, got {self.num_blocks}")
         if self.concurrency is not None and self.concurrency <= 0:
             raise ConfigError(f"concurrency must be > 0, got {self.concurrency}")
-        if self.max_fused_steps <= 0 or self.max_num_seqs <= 0:
-            raise ConfigError("max_fused_steps and max_num_seqs must be > 0")
+
+
+@dataclass(frozen=True)
+class Run:
+    """An experiment and one run of it: what the runtime replays, and what a replay's result
+    (and its cache key) is determined by, with the requests."""
+
+    experiment: Experiment
+    spec: RunSpec
+
+    def with_variant(self, variant: str) -> Run:
+        """The same run with `variant` (the variants of one point of a sweep or comparison)."""
+        return Run(self.experiment, replace(self.spec, variant=variant))

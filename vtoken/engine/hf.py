@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Run
 from vtoken.engine.hf_forward import PagedDecoder
 from vtoken.engine.observer import RuntimeObserver
 from vtoken.engine.runtime import PlannerFactory, Runtime
@@ -284,7 +284,7 @@ def _padded_slots(tables: Sequence) -> tuple[np.ndarray, np.ndarray]:
 # ---- building and running --------------------------------------------------------------
 
 
-def build_hf_runtime(config: RunConfig, requests: Sequence[Request], model: LoadedModel, *,
+def build_hf_runtime(run: Run, requests: Sequence[Request], model: LoadedModel, *,
                      make_copy_engine: Callable[[PagedKVCache], CopyEngine] | None = None,
                      observer: RuntimeObserver | None = None, collect_scores: bool | None = None,
                      planner_factory: PlannerFactory = Reclaimer, table_factory: TableFactory = TokenTable) -> Runtime:
@@ -293,18 +293,18 @@ def build_hf_runtime(config: RunConfig, requests: Sequence[Request], model: Load
     `requests` are prepared here (prompt text tokenized, or seeded random ids); the executor
     (`runtime.executor`, an HFExecutor) keeps the outputs and owns the KV tensor
     (`runtime.executor.kv_cache`). `make_copy_engine(kv_cache)` builds the copy engine
-    (default: synchronous). `config.model` is replaced by the loaded model's KV geometry;
+    (default: synchronous). The experiment's model is replaced by the loaded model's KV geometry;
     `collect_scores` defaults to whether the variant evicts with a policy that needs attention.
     `observer`, `planner_factory` and `table_factory` go to the runtime (the checker's parts).
     """
-    prepared = prepare_requests(requests, model.tokenizer, config.seed)
+    experiment = replace(run.experiment, model=model.spec)
+    prepared = prepare_requests(requests, model.tokenizer, experiment.seed)
     if collect_scores is None:
-        collect_scores = config.evicts and make_policy(config.eviction.policy).needs_attention
-    executor = HFExecutor(model, prepared, config.num_blocks, config.block_size, collect_scores=collect_scores,
-                          importance_window=config.sim.importance_window)
+        collect_scores = run.spec.evicts and make_policy(experiment.eviction.policy).needs_attention
+    executor = HFExecutor(model, prepared, experiment.num_blocks, experiment.block_size, collect_scores=collect_scores,
+                          importance_window=experiment.sim.importance_window)
     copy_engine = make_copy_engine(executor.kv_cache) if make_copy_engine else CopyEngine(executor.kv_cache, "sync")
-    config = replace(config, model=model.spec)
-    return Runtime(config, prepared.requests, executor, copy_engine=copy_engine, observer=observer,
+    return Runtime(Run(experiment, run.spec), prepared.requests, executor, copy_engine=copy_engine, observer=observer,
                    planner_factory=planner_factory, table_factory=table_factory)
 
 
@@ -320,11 +320,11 @@ class HFRun:
     notes: tuple[str, ...]
 
 
-def run_hf(config: RunConfig, requests: Sequence[Request], model: LoadedModel, *,
+def run_hf(run: Run, requests: Sequence[Request], model: LoadedModel, *,
            collect_scores: bool | None = None, copy_mode: str = "sync",
            on_progress: Callable[[int], None] | None = None) -> HFRun:
-    """Replay `requests` through `config.variant` on the model."""
-    runtime = build_hf_runtime(config, requests, model, make_copy_engine=lambda kv: CopyEngine(kv, copy_mode),
+    """Replay `requests` through `run` on the model."""
+    runtime = build_hf_runtime(run, requests, model, make_copy_engine=lambda kv: CopyEngine(kv, copy_mode),
                                collect_scores=collect_scores)
     executor: HFExecutor = runtime.executor
     result = runtime.run(on_progress)

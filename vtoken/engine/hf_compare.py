@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from vtoken.engine.config import VARIANTS, RunConfig
+from vtoken.engine.config import VARIANTS, Experiment
 from vtoken.metrics import RunResult
 from vtoken.trace import Request
 
@@ -55,26 +55,27 @@ class MeasuredExtras:
     naive_vs_vtoken: Agreement | None
 
 
-def compare_on_model(config: RunConfig, requests: Sequence[Request], model: LoadedModel,
+def compare_on_model(experiment: Experiment, requests: Sequence[Request], concurrency: int | None, model: LoadedModel,
                      progress: Progress | None = None) -> tuple[dict[str, RunResult], MeasuredExtras]:
-    """Replay `requests` with native, naive-evict and vtoken on `model` (`config.num_blocks` blocks)."""
+    """Replay `requests` with native, naive-evict and vtoken on `model` (`experiment.num_blocks`
+    blocks), each with `concurrency` closed-loop clients (None: open loop)."""
     from vtoken.engine.hf import run_hf
 
-    base = replace(config, model=model.spec)
+    experiment = replace(experiment, model=model.spec)
     runs: dict[str, HFRun] = {}
     for variant in VARIANTS:
         on_progress = (lambda n, v=variant: progress(f"{v} ({model.name})", n)) if progress else None
-        runs[variant] = run_hf(replace(base, variant=variant), requests, model, on_progress=on_progress)
-    return {v: r.result for v, r in runs.items()}, _measured(model, config.num_blocks, runs)
+        runs[variant] = run_hf(experiment.run(variant, concurrency), requests, model, on_progress=on_progress)
+    return {v: r.result for v, r in runs.items()}, _measured(model, experiment.num_blocks, runs)
 
 
-def hf_num_blocks(config: RunConfig, requests: Sequence[Request], model: LoadedModel) -> int:
-    """Enough blocks for `config.concurrency` of the requests at full length, as the model
-    tokenizes them."""
+def hf_num_blocks(experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
+                  model: LoadedModel) -> int:
+    """Enough blocks for `concurrency` of the requests at full length, as the model tokenizes them."""
     from vtoken.engine.hf import default_num_blocks, prepare_requests
 
-    prepared = prepare_requests(requests, model.tokenizer, config.seed).requests
-    return default_num_blocks(prepared, config.concurrency, config.block_size)
+    prepared = prepare_requests(requests, model.tokenizer, experiment.seed).requests
+    return default_num_blocks(prepared, concurrency, experiment.block_size)
 
 
 def speed_from_results(runs: dict[str, RunResult]) -> dict[str, VariantSpeed]:

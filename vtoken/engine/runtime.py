@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.engine.config import RunConfig
+from vtoken.engine.config import Run
 from vtoken.engine.eviction import EvictionSchedule
 from vtoken.engine.executor import Executor, StepCostModel, StepLoad, kv_extent
 from vtoken.engine.observer import NullObserver, RuntimeObserver
@@ -55,7 +55,7 @@ class ReclaimWork:
 
 
 class Runtime:
-    """One replay of `requests` through `config.variant` on `executor`.
+    """One replay of `requests` through `run.spec.variant` on `executor`.
 
     The parts a run is built from can be passed in, for the checker and its faults: the copy
     engine (default: synchronous, no KV tensor), an observer of every event, the factory of the
@@ -64,7 +64,7 @@ class Runtime:
 
     def __init__(
         self,
-        config: RunConfig,
+        run: Run,
         requests: Sequence[Request],
         executor: Executor,
         *,
@@ -75,17 +75,20 @@ class Runtime:
     ) -> None:
         if executor.max_fused_steps > 1 and not isinstance(executor, StepCostModel):
             raise TypeError(f"executor {executor.name!r} fuses decode steps but cannot predict their duration")
-        self.config = config
+        experiment, spec = run.experiment, run.spec
+        self.experiment = experiment
+        self.spec = spec
         self.executor = executor
         self.num_output_tokens = sum(r.num_output_tokens for r in requests)  # the progress total
-        self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.pool, list(requests), config.concurrency, config.max_num_seqs,
-                                   config.admit_all_at_start, table_factory=table_factory)
-        self.eviction = EvictionSchedule(config.eviction, make_policy(config.eviction.policy, seed=config.seed))
-        self.reclaimer = planner_factory(config.reclaim, self.pool) if config.reclaims else None
+        self.pool = BlockPool(experiment.num_blocks, experiment.block_size)
+        self.scheduler = Scheduler(self.pool, list(requests), spec.concurrency, experiment.scheduler.max_num_seqs,
+                                   spec.admit_all_at_start, table_factory=table_factory)
+        self.eviction = EvictionSchedule(experiment.eviction,
+                                         make_policy(experiment.eviction.policy, seed=experiment.seed))
+        self.reclaimer = planner_factory(experiment.reclaim, self.pool) if spec.reclaims else None
         self.copy_engine = copy_engine or CopyEngine(None, "sync")
         self.observer = observer or NullObserver()
-        self.recorder = Recorder(config.model.kv_bytes_per_token)
+        self.recorder = Recorder(experiment.model.kv_bytes_per_token)
         self.counters = RunCounters()
         self.now_s = 0.0
         self.num_iterations = 0
@@ -158,7 +161,8 @@ class Runtime:
     def _num_fusable_steps(self, decode: list[ReqState]) -> int:
         """Decode steps to advance at once: until the first finish, at most `max_fused_steps`
         and one eviction interval, and not past the next open-loop arrival."""
-        limit = min(self.config.max_fused_steps, self.executor.max_fused_steps, self.config.eviction.interval_tokens)
+        limit = min(self.experiment.scheduler.max_fused_steps, self.executor.max_fused_steps,
+                    self.experiment.eviction.interval_tokens)
         num_steps = min([limit] + [s.num_remaining for s in decode])
         next_arrival_s = self.scheduler.next_arrival_s()
         while num_steps > 1 and next_arrival_s is not None and self.now_s + self._decode_time_s(decode, num_steps) > next_arrival_s:
@@ -189,7 +193,7 @@ class Runtime:
                 return num_steps
             victim = sched.running[-1]
             self._leave(victim)
-            if self.config.evicts:
+            if self.spec.evicts:
                 self.eviction.on_preempt(victim.eviction, victim.table)
             sched.preempt_last()
             self.counters = self.counters.plus(preemptions=1)
@@ -229,7 +233,7 @@ class Runtime:
         for state in batch.prefill + batch.decode:
             if state.num_remaining == 0:
                 self._finish(state)
-            elif self.config.evicts and self.eviction.is_due(state.eviction, state.num_generated):
+            elif self.spec.evicts and self.eviction.is_due(state.eviction, state.num_generated):
                 self._evict(state)
         if self.reclaimer is not None and self.reclaimer.is_eligible(self.num_iterations):
             self._reclaim()
@@ -330,10 +334,10 @@ class Runtime:
     # ---- result ------------------------------------------------------------------------------
 
     def _result(self, host_time_s: float) -> RunResult:
-        config = self.config
+        spec = self.spec
         return RunResult.from_recording(
-            self.recorder, self.counters, variant=config.variant,
-            policy=config.eviction.policy if config.evicts else "none", num_requests=len(self.scheduler.requests),
+            self.recorder, self.counters, variant=spec.variant,
+            policy=self.experiment.eviction.policy if spec.evicts else "none", num_requests=len(self.scheduler.requests),
             skipped=tuple(self.scheduler.skipped), num_iterations=self.num_iterations,
             num_decode_steps=self.num_decode_steps, host_time_s=host_time_s,
         )

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from vtoken import defaults
 from vtoken.analysis import Progress
 from vtoken.compare import CompareOptions, CompareReport, compare
-from vtoken.engine import VARIANTS, RunConfig
+from vtoken.engine import VARIANTS, Run
 from vtoken.hardware import GPUS, num_blocks_for_gpu
 from vtoken.jsonsafe import make_json_safe
 from vtoken.model_spec import resolve_model
@@ -94,10 +94,11 @@ FIG10_CASES = (
 )
 
 
-def fig7(trace: Trace, base: RunConfig, replayer: Replayer, progress: Progress | None = None, *,
+def fig7(trace: Trace, base: Run, replayer: Replayer, progress: Progress | None = None, *,
          policies: Sequence[str] = FIG7_POLICIES, num_blocks: int | None = None) -> PaperFigure:
     """Memory utilization (live tokens / allocated slots) and retained blocks per request of
-    naive-evict and vtoken under each policy, on `base`'s concurrency and budget."""
+    naive-evict and vtoken under each policy, on `base`'s concurrency and budget (`base`: the
+    experiment and the run spec every figure starts from; each replay's variant replaces its own)."""
     report = sweep(trace, base, SweepOptions((Vary("policy", tuple(policies)),), variants=EVICTING), replayer,
                    progress, num_blocks=num_blocks)
     rows = []
@@ -119,33 +120,34 @@ def fig7(trace: Trace, base: RunConfig, replayer: Replayer, progress: Progress |
         Claim("retained blocks per request, vtoken vs naive-evict", "-27.2% to -72.3%", _range(changes, "%"),
               {"change_pct": changes}),
     )
-    settings = {**_settings(trace, report.points[0].config), "policies": list(policies)}
+    settings = {**_settings(trace, report.points[0].run), "policies": list(policies)}
     return PaperFigure("fig7", "Fig. 7: memory utilization and retained blocks per request", settings,
                        tuple(rows), claims, trace.notes)
 
 
-def memory_bound_budget(trace: Trace, config: RunConfig, replayer: Replayer,
+def memory_bound_budget(trace: Trace, run: Run, replayer: Replayer,
                         concurrency: int = FIG8_BUDGET_CONCURRENCY) -> int:
     """Native's peak block demand at `concurrency` closed-loop clients in a pool that never
     runs out: a budget in which every higher concurrency is memory-bound without reclamation."""
-    unbounded = sum(-(-(r.num_prompt_tokens + r.num_output_tokens) // config.block_size) for r in trace.requests) + 1
-    probe = PARAMETERS["concurrency"].set(PARAMETERS["num_blocks"].set(config, unbounded), concurrency)
-    return replayer.run(replace(probe, variant="native"), trace.requests).peak_allocated_blocks
+    block_size = run.experiment.block_size
+    unbounded = sum(-(-(r.num_prompt_tokens + r.num_output_tokens) // block_size) for r in trace.requests) + 1
+    probe = PARAMETERS["concurrency"].set(PARAMETERS["num_blocks"].set(run, unbounded), concurrency)
+    return replayer.run(probe.with_variant("native"), trace.requests).peak_allocated_blocks
 
 
-def fig8(trace: Trace, base: RunConfig, replayer: Replayer, progress: Progress | None = None, *,
+def fig8(trace: Trace, base: Run, replayer: Replayer, progress: Progress | None = None, *,
          models: Sequence[str] = FIG8_MODELS, concurrencies: Sequence[int] = FIG8_CONCURRENCIES,
          num_blocks: int | None = None, budget_concurrency: int = FIG8_BUDGET_CONCURRENCY) -> PaperFigure:
     """Throughput and p95 e2e latency at every concurrency, and the SLA-feasible throughput
     (at C_sel: SLA = 1.05 x naive-evict's p95 at C_ref = 8), per model."""
     rows, claims, budgets = [], [], {}
     for model in models:
-        config = PARAMETERS["model"].set(base, resolve_model(model))
-        blocks = num_blocks if num_blocks is not None else memory_bound_budget(trace, config, replayer,
+        run = PARAMETERS["model"].set(base, resolve_model(model))
+        blocks = num_blocks if num_blocks is not None else memory_bound_budget(trace, run, replayer,
                                                                               budget_concurrency)
         budgets[model] = blocks
-        report = compare(trace, config, CompareOptions(tuple(concurrencies), with_frontier=False), replayer, progress,
-                         num_blocks=blocks)
+        options = CompareOptions(tuple(concurrencies), with_frontier=False, concurrency=run.spec.concurrency)
+        report = compare(trace, run.experiment, options, replayer, progress, num_blocks=blocks)
         rows += _fig8_rows(model, report)
         claims.append(_fig8_claim(model, report))
     how = ("--num-blocks" if num_blocks is not None else
@@ -190,7 +192,7 @@ def _fig8_claim(model: str, report: CompareReport) -> Claim:
                         "throughput_at_c_sel": at_sel, "gain_at_c_sel_pct": gain, "gain_per_c_pct": per_c})
 
 
-def frontier(trace: Trace, base: RunConfig, replayer: Replayer, cases: Sequence[FrontierCase],
+def frontier(trace: Trace, base: Run, replayer: Replayer, cases: Sequence[FrontierCase],
              progress: Progress | None = None, *, experiment: str = "fig9",
              num_blocks: Sequence[int] | None = None, concurrencies: Sequence[int] | None = None) -> PaperFigure:
     """The largest concurrency each variant holds without preemption (vtoken.analysis.frontier)
@@ -201,9 +203,10 @@ def frontier(trace: Trace, base: RunConfig, replayer: Replayer, cases: Sequence[
         blocks, how = (num_blocks[idx], "--num-blocks") if num_blocks else case.budget()
         label = f"{case.label}, {blocks:,} blocks"
         budgets[label] = how
-        config = PARAMETERS["model"].set(base, resolve_model(case.model))
-        options = CompareOptions(tuple(concurrencies or case.concurrencies), with_sweep=False)
-        result = compare(trace, config, options, replayer, progress, num_blocks=blocks).frontier
+        run = PARAMETERS["model"].set(base, resolve_model(case.model))
+        options = CompareOptions(tuple(concurrencies or case.concurrencies), with_sweep=False,
+                                 concurrency=run.spec.concurrency)
+        result = compare(trace, run.experiment, options, replayer, progress, num_blocks=blocks).frontier
         measured = {**result.max_feasible_concurrency, "ideal": result.ideal_max_concurrency}
         rows.append({"case": label, "source": "vtoken", **measured})
         rows.append({"case": label, "source": "paper", **{k: case.paper.get(k) for k in measured}})
@@ -217,7 +220,7 @@ def frontier(trace: Trace, base: RunConfig, replayer: Replayer, cases: Sequence[
                        trace.notes)
 
 
-def sensitivity(trace: Trace, base: RunConfig, replayer: Replayer, progress: Progress | None = None, *,
+def sensitivity(trace: Trace, base: Run, replayer: Replayer, progress: Progress | None = None, *,
                 values: dict[str, Sequence[float]] | None = None, num_blocks: int | None = None) -> PaperFigure:
     """§4.5: naive-evict and vtoken with one of block size, eviction ratio and theta_F moved
     at a time, the others at `base`'s values."""
@@ -247,12 +250,12 @@ def sensitivity(trace: Trace, base: RunConfig, replayer: Replayer, progress: Pro
               _range([r["blocks_change_pct"] for r in rows if r["parameter"] == key], "%"),
               {"change_pct": [r["blocks_change_pct"] for r in rows if r["parameter"] == key]})
         for key in dict.fromkeys(r["parameter"] for r in rows))
-    settings = {**_settings(trace, report.points[0].config), "varied": {k: list(v) for k, v in values.items()}}
+    settings = {**_settings(trace, report.points[0].run), "varied": {k: list(v) for k, v in values.items()}}
     return PaperFigure("sensitivity", "§4.5: block size, eviction ratio and theta_F", settings, tuple(rows), claims,
                        trace.notes)
 
 
-def prefix_sharing(base: RunConfig, replayer: Replayer, progress: Progress | None = None, *,
+def prefix_sharing(base: Run, replayer: Replayer, progress: Progress | None = None, *,
                    degrees: Sequence[int] = PREFIX_DEGREES, num_output_tokens: int | None = None,
                    num_blocks: int | None = None) -> PaperFigure:
     """§4.6: retained blocks per request of naive-evict (with prefix caching: a group's prefix
@@ -261,9 +264,8 @@ def prefix_sharing(base: RunConfig, replayer: Replayer, progress: Progress | Non
     largest = max(degrees)
     for degree in degrees:
         trace = shared_prefix_trace(degree, num_requests=largest, **_given(num_output_tokens=num_output_tokens))
-        config = PARAMETERS["concurrency"].set(base, largest)
-        options = CompareOptions((largest,), with_sweep=False, with_frontier=False, variants=EVICTING)
-        runs = compare(trace, config, options, replayer, progress, num_blocks=num_blocks).runs
+        options = CompareOptions((largest,), with_sweep=False, with_frontier=False, variants=EVICTING, concurrency=largest)
+        runs = compare(trace, base.experiment, options, replayer, progress, num_blocks=num_blocks).runs
         naive, vtoken = runs["naive-evict"], runs["vtoken"]
         rows.append({"degree": degree, "naive_blocks_per_request": naive.retained_blocks_per_request,
                      "vtoken_blocks_per_request": vtoken.retained_blocks_per_request,
@@ -273,10 +275,11 @@ def prefix_sharing(base: RunConfig, replayer: Replayer, progress: Progress | Non
     changes = [r["blocks_change_pct"] for r in rows]
     claim = Claim("retained blocks per request, vtoken vs naive-evict with prefix caching", "-28.6% to -42.2%",
                   _range(changes, "%"), {"change_pct": changes})
-    settings = {"model": base.model.name, "gpu": base.gpu.name, "policy": base.eviction.policy,
-                "budget": base.eviction.budget.describe(), "block_size": base.block_size,
+    experiment = base.experiment
+    settings = {"model": experiment.model.name, "gpu": experiment.gpu.name, "policy": experiment.eviction.policy,
+                "budget": experiment.eviction.budget.describe(), "block_size": experiment.block_size,
                 "num_blocks": num_blocks if num_blocks is not None else "the GPU's default",
-                "concurrency": largest, "theta_f": base.reclaim.theta_f, "degrees": list(degrees)}
+                "concurrency": largest, "theta_f": experiment.reclaim.theta_f, "degrees": list(degrees)}
     num_tokens = trace.requests[0].num_output_tokens
     note = (f"{largest} requests at t = 0, each {PREFIX_TOKENS:,} shared + {SUFFIX_TOKENS:,} private prompt tokens and "
             f"{num_tokens} output tokens; at degree d, groups of d requests share one prefix (prefix caching: one copy "
@@ -289,22 +292,23 @@ def figure_to_json(figure: PaperFigure) -> dict:
     return make_json_safe(asdict(figure))
 
 
-def _settings(trace: Trace, config: RunConfig, *, resident: bool = False) -> dict[str, object]:
+def _settings(trace: Trace, run: Run, *, resident: bool = False) -> dict[str, object]:
     """What every experiment states; `resident`: an experiment that sets the model, the block
     budget and the concurrency itself (those are left out here)."""
-    settings = {"trace": trace.source, "num_requests": len(trace.requests), "model": config.model.name,
-                "gpu": config.gpu.name, "policy": config.eviction.policy, "budget": config.eviction.budget.describe(),
-                "block_size": config.block_size, "num_blocks": config.num_blocks, "concurrency": config.concurrency,
-                "theta_f": config.reclaim.theta_f}
+    e = run.experiment
+    settings = {"trace": trace.source, "num_requests": len(trace.requests), "model": e.model.name,
+                "gpu": e.gpu.name, "policy": e.eviction.policy, "budget": e.eviction.budget.describe(),
+                "block_size": e.block_size, "num_blocks": e.num_blocks, "concurrency": run.spec.concurrency,
+                "theta_f": e.reclaim.theta_f}
     if resident:
         for key in ("model", "num_blocks", "concurrency"):
             del settings[key]
     return settings
 
 
-def _keep(base: RunConfig, eviction_ratio: float) -> Budget:
+def _keep(base: Run, eviction_ratio: float) -> Budget:
     """The budget that evicts `eviction_ratio` of the tokens, with `base`'s protected tokens."""
-    budget = base.eviction.budget
+    budget = base.experiment.eviction.budget
     return replace(budget, keep_ratio=round(1 - eviction_ratio, 6), num_tokens=None)
 
 

@@ -1,6 +1,6 @@
 """`vtoken check-invariants [TRACE]`: relocations on materialized KV, I1-I4 checked on every event.
 
-The command parses flags into a `RunConfig` and `CheckOptions`, calls
+The command parses flags into an `Experiment` and `CheckOptions`, calls
 `vtoken.checker.check_invariants` (which runs the executor `--executor` names, with `--model`)
 and prints render/check.py's report. Exit code 0 when every invariant held, 1 on any violation,
 2 on bad input.
@@ -9,7 +9,6 @@ and prints render/check.py's report. Exit code 0 when every invariant held, 1 on
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -25,7 +24,7 @@ from vtoken.trace import load_trace
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     EXECUTORS, MODEL_NAMES, POLICY_NAMES, RECLAIM_MODE_NAMES, Budget, Concurrency, EvictionInterval, Force, Gpu, JsonOut,
-    Output, Seed, ThetaF, TraceFormat, build_run_config, resolve_policies,
+    Output, Seed, ThetaF, TraceFormat, build_experiment, check_concurrency, resolve_policies,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.check import check_report
@@ -107,7 +106,7 @@ def check_command(
     limits = default_limits(executor)
     options = CheckOptions(
         policies=parse_policies(policy), reclaim_modes=_reclaim_modes(reclaim_mode), executor=executor, fault=inject_fault,
-        num_fuzz_scenarios=fuzz, num_blocks=num_blocks, block_size=block_size,
+        num_fuzz_scenarios=fuzz, num_blocks=num_blocks, block_size=block_size, concurrency=check_concurrency(concurrency),
         limits=TraceLimits(_limit(max_requests, limits.max_requests), _limit(max_prompt_tokens, limits.max_prompt_tokens),
                            _limit(max_output_tokens, limits.max_output_tokens)),
     )
@@ -115,17 +114,17 @@ def check_command(
         check_output_dir(output, force)
     if reclaim_interval <= 0:
         raise ConfigError(f"--reclaim-interval must be > 0 iterations, got {reclaim_interval}")
-    config = build_run_config(  # the executor's --model replaces defaults.MODEL's geometry where it runs one
+    experiment = build_experiment(  # the executor's --model replaces defaults.MODEL's geometry where it runs one
         model=defaults.MODEL, gpu=gpu, num_blocks=num_blocks,
         gpu_mem_util=defaults.GPU_MEMORY_UTILIZATION, block_size=block_size or defaults.BLOCK_SIZE,
         policy=options.policies[0], budget=budget, eviction_interval=eviction_interval,
-        reclaim_mode=options.reclaim_modes[0], theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=None,
+        reclaim_mode=options.reclaim_modes[0], theta_f=theta_f, seed=seed, sim_profile=None,
+        reclaim_interval=reclaim_interval,
     )
-    config = replace(config, reclaim=replace(config.reclaim, check_interval_steps=reclaim_interval))
     traces = [load_trace(trace, trace_format)] if trace is not None else None  # None: the executor's default
     with progress_bar(stderr, 40, "check-invariants") as bar:
-        task = bar.add_task("checking", total=num_progress_units(traces, config, options, model=model))
-        report = check_invariants(traces, config, options,
+        task = bar.add_task("checking", total=num_progress_units(traces, experiment, options, model=model))
+        report = check_invariants(traces, experiment, options,
                                   lambda stage, n: bar.update(task, advance=n, description=stage), model=model,
                                   on_status=lambda message: stderr.print(message, highlight=False))
     require_measured_check(report)

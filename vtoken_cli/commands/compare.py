@@ -8,7 +8,7 @@ vllm` runs in-process vLLM engines, one per variant.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -25,8 +25,8 @@ from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut,
     MaxRequests, Model, NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit,
-    Tokenizer, TraceFormat, Variants, Workers, build_cache, build_run_config, build_tokenizer, parse_int_list,
-    parse_variants,
+    Tokenizer, TraceFormat, Variants, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency,
+    parse_int_list, parse_variants,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -107,20 +107,20 @@ def compare_command(
                              runner=make_runner(workers, ray), cache=build_cache(cache_dir, no_cache))
     if output is not None:
         check_output_dir(output, force)
-    config = build_run_config(
+    check_concurrency(concurrency)
+    experiment = build_experiment(
         model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=gpu_mem_util, block_size=block_size,
         policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
-        theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile, reclaim_budget=reclaim_budget,
+        theta_f=theta_f, seed=seed, sim_profile=sim_profile, reclaim_budget=reclaim_budget,
     )
-    if open_loop:
-        config = replace(config, concurrency=None)
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
-                             sla_ref_concurrency, repeats, sweep, frontier, parse_variants(variants))
+                             sla_ref_concurrency, repeats, sweep, frontier, parse_variants(variants),
+                             concurrency=None if open_loop else concurrency)
     loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
-                                       tokenizer=build_tokenizer(tokenizer)), config.model.max_model_len)
+                                       tokenizer=build_tokenizer(tokenizer)), experiment.model.max_model_len)
     with progress_bar(stderr, 22, "compare") as bar:
         task = bar.add_task("replaying", total=num_progress_units(loaded, options, replayer))
-        report = compare(loaded, config, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
+        report = compare(loaded, experiment, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
                          num_blocks=num_blocks)
     require_measured_compare(report)
     payload = report_to_json(report)

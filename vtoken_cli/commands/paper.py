@@ -19,7 +19,7 @@ from vtoken.runners import make_runner
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, CacheDir, EvictionInterval, Gpu, GpuMemUtil, JsonOut, MaxRequests, NoCache, RayAddress, ReclaimMode,
-    Seed, ThetaF, Tokenizer, Workers, build_cache, build_run_config, build_tokenizer, parse_int_list,
+    Seed, ThetaF, Tokenizer, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency, parse_int_list,
 )
 from vtoken_cli.output import progress_bar
 from vtoken_cli.render.paper import paper_report
@@ -114,11 +114,11 @@ def paper_command(
     block_budget = parse_int_list(num_blocks, "--num-blocks") if num_blocks else None
     if block_budget and len(block_budget) > 1 and experiment not in ("fig9", "fig10"):
         raise ConfigError(f"--num-blocks takes one value for {experiment}, got '{num_blocks}'")
-    base = build_run_config(
+    base = build_experiment(
         model=model or defaults.MODEL, gpu=gpu, num_blocks=None, gpu_mem_util=gpu_mem_util, block_size=block_size,
         policy=policy, budget=budget or (paper.PREFIX_BUDGET if experiment == "prefix-sharing" else defaults.BUDGET),
-        eviction_interval=eviction_interval, reclaim_mode=reclaim_mode, theta_f=theta_f,
-        concurrency=concurrency or DEFAULT_CONCURRENCY, seed=seed, sim_profile=None)
+        eviction_interval=eviction_interval, reclaim_mode=reclaim_mode, theta_f=theta_f, seed=seed, sim_profile=None,
+    ).run("vtoken", check_concurrency(concurrency or DEFAULT_CONCURRENCY))
     replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),
                            cache=build_cache(cache_dir, no_cache))
     loaded = None

@@ -2,7 +2,7 @@
 run parameters on one trace (the sim executor), one factor at a time or as a grid.
 
 Each `--vary` value is parsed as the flag of the same name is (`--block-size`, `--budget`,
-...): the base flags with that one value put in, through `build_run_config`.
+...): the base flags with that one value put in, through `build_experiment`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from vtoken import defaults
-from vtoken.engine import VARIANTS, RunConfig
+from vtoken.engine import VARIANTS, Run
 from vtoken.errors import ConfigError
 from vtoken.replay import SimReplayer
 from vtoken.runners import make_runner
@@ -24,12 +24,12 @@ from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Force, Gpu, GpuMemUtil, JsonOut, MaxRequests, Model,
     NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit, TraceFormat, Variants,
-    Tokenizer, Workers, build_cache, build_run_config, build_tokenizer, parse_variants,
+    Tokenizer, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency, parse_variants,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.sweep import sweep_table
 
-# --vary KEY -> (the build_run_config argument it replaces, how its text becomes that argument)
+# --vary KEY -> (the flag argument it replaces, how its text becomes that argument)
 VARY_FLAGS = {
     "block_size": ("block_size", int), "budget": ("budget", str), "theta_f": ("theta_f", float),
     "policy": ("policy", str), "eviction_interval": ("eviction_interval", int), "model": ("model", str),
@@ -77,8 +77,8 @@ def sweep_command(
     flags = dict(model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=gpu_mem_util, block_size=block_size,
                  policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
                  theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile)
-    base = build_run_config(**flags)
     options = SweepOptions(tuple(parse_vary(text, flags) for text in vary), grid, parse_variants(variants))
+    base = base_run(flags, options.variants[-1])
     replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),
                            cache=build_cache(cache_dir, no_cache))
     loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
@@ -112,11 +112,18 @@ def parse_vary(text: str, flags: dict) -> Vary:
         except ValueError:
             raise ConfigError(f"--vary {key}: '{part}' is not a {convert.__name__}") from None
         try:
-            config: RunConfig = build_run_config(**{**flags, argument: value})
+            run = base_run({**flags, argument: value})
         except ConfigError as exc:
             raise ConfigError(f"--vary {key}={part}: {exc}") from None
-        parsed.append(PARAMETERS[key].get(config))
+        parsed.append(PARAMETERS[key].get(run))
     return Vary(key, tuple(parsed))
+
+
+def base_run(flags: dict, variant: str = VARIANTS[-1]) -> Run:
+    """The run of the flags: their experiment with `--concurrency` clients (a point's variants
+    replace `variant`)."""
+    experiment_flags = {k: v for k, v in flags.items() if k != "concurrency"}
+    return build_experiment(**experiment_flags).run(variant, check_concurrency(flags["concurrency"]))
 
 
 def _writers(report: SweepReport, payload: dict) -> list:

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vtoken.audit import AUDIT_VARIANTS, DEFINITIONS, AuditReport, DeploymentAudit, PolicyAudit, policy_title
-from vtoken.audit.measurement import run_config
+from vtoken.audit.measurement import experiment_of
 from vtoken.audit.report import room_for_more
 from vtoken.audit.workload import LengthDistribution
 from vtoken.hardware import GiB
@@ -70,7 +70,7 @@ def _scaled(bounds: object) -> tuple[float, float] | None:
 
 def _deployment_panel(report: AuditReport) -> Panel:
     d = report.deployment
-    reclaim = run_config(d, d.policies[0]).reclaim
+    reclaim = experiment_of(d, d.policies[0]).reclaim
     rows = [
         ("source", d.source),
         ("model", f"{d.model.name}: {d.model.num_layers} layers x {d.model.num_kv_heads} KV heads x {d.model.head_dim}, "

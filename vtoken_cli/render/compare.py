@@ -148,8 +148,8 @@ def frontier_table(report: CompareReport) -> RenderableType:
     return titled(title, table, caption)
 
 
-def arrivals_phrase(cfg) -> str:
-    return "open loop (trace timestamps)" if cfg.concurrency is None else f"closed loop, concurrency {cfg.concurrency}"
+def arrivals_phrase(concurrency: int | None) -> str:
+    return "open loop (trace timestamps)" if concurrency is None else f"closed loop, concurrency {concurrency}"
 
 
 def reclaim_phrase(cfg) -> str:
@@ -161,7 +161,7 @@ def reclaim_phrase(cfg) -> str:
 def header_rows(report: CompareReport, model_line: str) -> list[tuple[str, str]]:
     """The run's configuration, one value per line: trace, model, GPU, KV budget, eviction,
     reclaim, arrivals, seed, executor, then the notes."""
-    cfg = report.config
+    cfg = report.experiment
     seed = f"{cfg.seed}" + (f" ({report.options.repeats} repeats: seeds {cfg.seed}-{cfg.seed + report.options.repeats - 1},"
                             " 95% CI)" if report.options.repeats > 1 else "")
     rows = [
@@ -172,7 +172,7 @@ def header_rows(report: CompareReport, model_line: str) -> list[tuple[str, str]]
         ("policy", f"{cfg.eviction.policy}, {cfg.eviction.budget.describe()}"),
         ("eviction", f"every {cfg.eviction.interval_tokens} tokens"),
         ("reclaim", reclaim_phrase(cfg)),
-        ("arrivals", arrivals_phrase(cfg)),
+        ("arrivals", arrivals_phrase(report.options.concurrency)),
         ("seed", seed),
         ("executor", report.executor),
     ]
@@ -185,7 +185,7 @@ def header_rows(report: CompareReport, model_line: str) -> list[tuple[str, str]]
 
 
 def header_panel(report: CompareReport) -> Panel:
-    cfg = report.config
+    cfg = report.experiment
     model_line = f"{cfg.model.name} ({cfg.model.kv_bytes_per_token:,} KV bytes/token)"
     return fields_panel(header_rows(report, model_line), f"vtoken compare ({report.executor} executor)")
 
@@ -206,7 +206,7 @@ HF_COLUMNS = (("F", "F (waste ratio)"), ("peak blocks", "peak blocks"), ("mem ut
 def hf_report(report: CompareReport, explain: bool) -> Group:
     """The measured run: the memory figures next to speed and quality, then the usual tables."""
     hf = report.measured
-    cfg = report.config
+    cfg = report.experiment
     rows = header_rows(report, f"{hf.model} ({hf.engine}, {cfg.model.kv_bytes_per_token:,} KV bytes/token)")
     if hf.naive_vs_vtoken is not None:
         a = hf.naive_vs_vtoken

@@ -27,6 +27,6 @@ def sweep_table(report: SweepReport) -> Group:
                           f"{r.throughput_tok_s:.0f}", f"{r.latency.p95_s:.2f}", str(r.preemptions),
                           f"{r.tokens_moved:,}")
                 for variant, r in point.runs.items()}
-        parts.append(titled(f"point {idx}: {params} ({point.config.num_blocks:,} blocks)",
+        parts.append(titled(f"point {idx}: {params} ({point.run.experiment.num_blocks:,} blocks)",
                             figure_table("variant", COLUMNS, rows)))
     return Group(*parts)

@@ -1,13 +1,13 @@
 """Replay a trace on vLLM, once per variant, and report it like the sim does (`RunResult`).
 
-    run_variants_on_vllm(config, requests, spec)  -> {variant: RunResult}
-    replay(llm, config, requests)                 one variant on a built engine
+    run_variants_on_vllm(experiment, requests, concurrency, spec)  -> {variant: RunResult}
+    replay(llm, run, requests)                    one run (variant, concurrency) on a built engine
 
 `vtoken compare --executor vllm` reaches these through `vtoken.replay.VllmReplayer`;
 `check-invariants --executor vllm` through `vtoken.checker.vllm` (one engine, every check on).
 
 One in-process engine per variant, built, replayed and shut down in turn. The replay is closed
-loop at `config.concurrency`: each client submits its next request when the previous one
+loop at the run's concurrency: each client submits its next request when the previous one
 finished. Prompts are random token ids seeded by (seed, request index), of the trace's prompt
 length; generation is greedy for exactly the trace's output length (EOS ignored). Times are
 wall-clock seconds on this machine.
@@ -15,7 +15,7 @@ wall-clock seconds on this machine.
 Memory is sampled after every engine step from the scheduler (`held_memory`: the blocks vLLM
 holds for each request and the live tokens) into the same time-weighted `Recorder` the sim
 uses, and the result is built by the same `RunResult.from_recording`. The KV
-block budget is vLLM's pool (`config.num_blocks`; one block is vLLM's null block).
+block budget is vLLM's pool (`experiment.num_blocks`; one block is vLLM's null block).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from vtoken.engine.config import VARIANTS, RunConfig
+from vtoken.engine.config import VARIANTS, Experiment, Run
 from vtoken.engine.vllm.engine import EngineSpec, open_llm, scheduler_of
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import ConfigError
@@ -51,8 +51,8 @@ def held_memory(scheduler) -> MemorySample:
                         ledger.num_blocks_le_half + num_spare)
 
 
-def settings_for(config: RunConfig, variant: str) -> VllmSettings:
-    return VllmSettings(variant, config.eviction, config.reclaim, config.seed)
+def settings_for(experiment: Experiment, variant: str) -> VllmSettings:
+    return VllmSettings(variant, experiment.eviction, experiment.reclaim, experiment.seed)
 
 
 def prompt_ids(request_idx: int, num_tokens: int, seed: int, vocab_size: int) -> list[int]:
@@ -61,31 +61,32 @@ def prompt_ids(request_idx: int, num_tokens: int, seed: int, vocab_size: int) ->
     return rng.integers(3, vocab_size, num_tokens).tolist()
 
 
-def replay(llm, config: RunConfig, requests: Sequence[Request], on_done: Callable[[int], None] | None = None,
+def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], None] | None = None,
            check_invariants: bool = False) -> RunResult:
-    """Closed-loop replay of `requests` on a built engine with `config.variant`'s settings."""
+    """Closed-loop replay of `requests` on a built engine with `run`'s variant settings."""
     from vllm import SamplingParams
 
+    experiment, spec = run.experiment, run.spec
     scheduler = scheduler_of(llm)
-    scheduler.reconfigure(replace(settings_for(config, config.variant), check_invariants=check_invariants))
+    scheduler.reconfigure(replace(settings_for(experiment, spec.variant), check_invariants=check_invariants))
     engine = llm.llm_engine
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
     max_len = llm.llm_engine.model_config.max_model_len
-    recorder = Recorder(config.model.kv_bytes_per_token)
+    recorder = Recorder(experiment.model.kv_bytes_per_token)
     skipped, pending = [], list(enumerate(requests))
     in_flight: dict[str, tuple[int, float, float | None]] = {}  # id -> (num output tokens, arrival, first token)
     started = time.perf_counter()
     num_iterations = 0
 
     def submit() -> None:
-        while pending and len(in_flight) < (config.concurrency or len(requests)):
+        while pending and len(in_flight) < (spec.concurrency or len(requests)):
             idx, request = pending.pop(0)
             if request.num_prompt_tokens + request.num_output_tokens > max_len:
                 skipped.append((request.request_id, f"needs {request.num_prompt_tokens + request.num_output_tokens} "
                                 f"tokens, max_model_len is {max_len}"))
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=request.num_output_tokens, ignore_eos=True)
-            engine.add_request(str(idx), {"prompt_token_ids": prompt_ids(idx, request.num_prompt_tokens, config.seed,
+            engine.add_request(str(idx), {"prompt_token_ids": prompt_ids(idx, request.num_prompt_tokens, experiment.seed,
                                                                           vocab_size)}, params)
             now_s = time.perf_counter() - started
             in_flight[str(idx)] = (request.num_output_tokens, now_s, None)
@@ -110,32 +111,34 @@ def replay(llm, config: RunConfig, requests: Sequence[Request], on_done: Callabl
         recorder.sample(now_s, len(scheduler.vtoken.requests), held_memory(scheduler))
         submit()
     return RunResult.from_recording(
-        recorder, scheduler.vtoken.counters, variant=config.variant,
-        policy=config.eviction.policy if config.evicts else "none", num_requests=len(requests),
+        recorder, scheduler.vtoken.counters, variant=spec.variant,
+        policy=experiment.eviction.policy if spec.evicts else "none", num_requests=len(requests),
         skipped=tuple(skipped), num_iterations=num_iterations, num_decode_steps=num_iterations,
         host_time_s=time.perf_counter() - started,
     )
 
 
-def run_variants_on_vllm(config: RunConfig, requests: Sequence[Request], spec: EngineSpec,
-                         progress: Progress | None = None) -> dict[str, RunResult]:
+def run_variants_on_vllm(experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
+                         spec: EngineSpec, progress: Progress | None = None) -> dict[str, RunResult]:
     """One engine per variant, built and shut down in turn (one engine in memory at a time)."""
     runs = {}
     for variant in VARIANTS:
-        with open_llm(spec, settings_for(config, variant)) as llm:
+        with open_llm(spec, settings_for(experiment, variant)) as llm:
             on_done = (lambda n, v=variant: progress(f"{v} (vllm)", n)) if progress else None
-            runs[variant] = replay(llm, replace(config, variant=variant), requests, on_done)
+            runs[variant] = replay(llm, experiment.run(variant, concurrency), requests, on_done)
     return runs
 
 
-def engine_spec_for(config: RunConfig, model: str, max_model_len: int = 2048) -> EngineSpec:
-    """The vLLM engine of a compare: the run's block size and block budget, fp32, eager."""
-    if config.block_size % 32:
-        raise ConfigError(f"--executor vllm on CPU needs a block size that is a multiple of 32, got {config.block_size}")
-    max_model_len = min(max_model_len, (config.num_blocks - 1) * config.block_size)
-    return EngineSpec(model, block_size=config.block_size, num_gpu_blocks_override=config.num_blocks,
+def engine_spec_for(experiment: Experiment, concurrency: int | None, model: str,
+                    max_model_len: int = 2048) -> EngineSpec:
+    """The vLLM engine of a compare: the experiment's block size and block budget, room for
+    `concurrency` sequences, fp32, eager."""
+    if experiment.block_size % 32:
+        raise ConfigError(f"--executor vllm on CPU needs a block size that is a multiple of 32, got {experiment.block_size}")
+    max_model_len = min(max_model_len, (experiment.num_blocks - 1) * experiment.block_size)
+    return EngineSpec(model, block_size=experiment.block_size, num_gpu_blocks_override=experiment.num_blocks,
                       kv_cache_memory_bytes=64 << 20, max_model_len=max_model_len,
-                      max_num_seqs=max(config.concurrency or 8, 1), seed=config.seed)
+                      max_num_seqs=max(concurrency or 8, 1), seed=experiment.seed)
 
 
 def default_num_blocks(requests: Sequence[Request], concurrency: int | None, block_size: int) -> int:
