@@ -90,7 +90,7 @@ def test_check_fits_and_names_every_configuration_value(check_result, width):
     for value in ("shared_prefix.jsonl", base.model.name, base.gpu.name, f"block size {run.block_size}",
                   f"{run.num_blocks} blocks", "h2o", base.eviction.budget.describe(),
                   f"every {base.eviction.interval_tokens} tokens", "ordered", f"theta_F {base.reclaim.theta_f:g}",
-                  f"concurrency {base.concurrency}", f"seed {base.seed}", "executor sim"):
+                  f"concurrency {check_result.options.concurrency}", f"seed {base.seed}", "executor sim"):
         assert value in header, value
 
 

@@ -45,8 +45,8 @@ def _header(report: CheckReport) -> Panel:
         ("eviction", f"every {base.eviction.interval_tokens} tokens"),
         ("reclaim", f"{', '.join(options.reclaim_modes)}; theta_F {base.reclaim.theta_f:g}, eligibility every "
                     f"{base.reclaim.check_interval_steps} iterations"),
-        ("arrivals", "open loop (trace timestamps)" if base.concurrency is None else
-                     f"closed loop, concurrency {base.concurrency}"),
+        ("arrivals", "open loop (trace timestamps)" if options.concurrency is None else
+                     f"closed loop, concurrency {options.concurrency}"),
         ("seed", str(base.seed)),
         ("executor", f"{options.executor}; KV materialized on {report.device}, copy engine '{report.copy_mode}'"
                      + (" (each copy stays in flight across the next forward)" if report.copy_mode == "deferred" else "")),
