@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vtoken.audit.watch import utilization_histogram, vtoken_total, waste_ratio_now
+from vtoken.audit.watch import utilization_histogram, vtoken_series, vtoken_total, waste_ratio_now
 from vtoken.audit.workload import counter_delta
 from vtoken.endpoint import LiveState
 from vtoken.metrics import RunResult
@@ -124,7 +124,7 @@ def measure_server_waste(live: LiveState, later: LiveState | None, kv_bytes_per_
         else:
             notes.append("no KV block was allocated during the window: F and trapped are from the latest scrape")
     if waste is None:
-        lifetime = vtoken_total(metrics, "vtoken_waste_ratio_mean") if len(_series(metrics, "vtoken_waste_ratio_mean")) == 1 else None
+        lifetime = vtoken_total(metrics, "vtoken_waste_ratio_mean") if len(vtoken_series(metrics, "vtoken_waste_ratio_mean")) == 1 else None
         waste, waste_span = (lifetime, "since the engines started") if lifetime is not None else (waste_ratio_now(latest), "now")
         live_tokens, blocks = vtoken_total(metrics, "vtoken_live_tokens"), vtoken_total(metrics, "vtoken_allocated_blocks")
         trapped_span = "now"
@@ -153,10 +153,6 @@ def compare_with_sim(measured: MeasuredWaste, runs_by_policy: Mapping[str, Mappi
                          f"(pass --policy {server.policy})")
     predicted = runs_by_policy[policy].get(server.variant) if policy is not None else None
     return LoopComparison(measured, policy, server.variant, predicted, tuple(notes))
-
-
-def _series(metrics: Mapping[str, float], name: str) -> list[str]:
-    return [k for k in metrics if k == name or k.startswith(name + "{")]
 
 
 def _budget(text: str) -> Budget | None:
