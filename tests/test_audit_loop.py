@@ -18,7 +18,7 @@ from vtoken_cli.app import app
 
 BLOCK_SIZE = 32  # the fixture's vllm:cache_config_info
 INFO = ('vtoken_info{budget="keep 48 tokens (4 sinks, 16 recent)",interval_tokens="8",policy="streaming_llm",'
-        'reclaim_mode="hole-fill",theta_f="0.25",variant="vtoken"}')
+        'reclaim_mode="hole-fill",theta_f="0.05",variant="vtoken"}')
 FAST = Overrides(model="llama-3.1-8b", frontier_max_concurrency=8, max_requests=12)
 
 
@@ -49,7 +49,7 @@ def test_the_servers_info_labels_are_read_back() -> None:
 
     server = server_vtoken(LiveState("http://h", "m", 4096, cache, metrics, ()))
     assert (server.variant, server.policy, server.interval_tokens, server.reclaim_mode, server.theta_f) == (
-        "vtoken", "streaming_llm", 8, "hole-fill", 0.25)
+        "vtoken", "streaming_llm", 8, "hole-fill", 0.05)
     assert (server.budget.num_tokens, server.budget.num_sink_tokens, server.budget.num_recent_tokens) == (48, 4, 16)
 
 
@@ -62,6 +62,10 @@ def test_the_audit_replays_what_the_server_runs_unless_flags_say_otherwise() -> 
     assert (deployment.budget.num_tokens, deployment.budget.num_recent_tokens) == (48, 16)
     assert any("as the server runs them (vtoken_info: vtoken, streaming_llm" in n for n in deployment.notes)
     assert flagged.policies == ("h2o",) and flagged.budget.keep_ratio == 0.5
+    # vtoken replays reclaim as the server does, every step as inside vLLM
+    assert (deployment.reclaim.mode, deployment.reclaim.theta_f, deployment.reclaim.check_interval_steps) == (
+        "hole-fill", 0.05, 1)
+    assert any("reclaim as the server does: hole-fill, theta_F 0.05" in n for n in deployment.notes)
 
 
 def test_over_a_window_the_measured_waste_comes_from_the_integrals_beside_the_sim() -> None:

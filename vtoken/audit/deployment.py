@@ -20,7 +20,7 @@ The model's geometry and the block budget are resolved in sizing.py.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import vtoken
@@ -42,10 +42,12 @@ from vtoken.defaults import (  # the names vtoken.audit has always exported
     GPU_MEMORY_UTILIZATION as DEFAULT_GPU_MEMORY_UTILIZATION,
     SAMPLE_TRACE,
     SEED,
+    VLLM_RECLAIM_INTERVAL_STEPS,
 )
 from vtoken.endpoint import OLD_SERVER_HINT, LiveState, redact_url, scrape
 from vtoken.errors import ConfigError, EndpointError
 from vtoken.hardware import GpuSpec
+from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.model_spec import ModelSpec
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, resolve_policy_name
 from vtoken.policies.base import Budget
@@ -96,6 +98,7 @@ class Deployment:
     seed: int = SEED
     notes: tuple[str, ...] = ()
     measured: MeasuredWaste | None = None  # a vToken server's own waste figures (vtoken.audit.loop)
+    reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)  # of the vtoken replays
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -271,6 +274,7 @@ def _build(s: Settings, live: LiveState | None, server: ServerWorkload | None = 
     if live is not None:
         notes += kv_pool_notes(live, model, s)
     policies, budget, interval_tokens = _eviction(s, vtoken_server, notes)
+    reclaim = _reclaim(vtoken_server, notes)
     return Deployment(
         source=s.where, model=model, gpu=gpu, block_size=block_size, num_blocks=num_blocks, policies=policies,
         budget=budget, interval_tokens=interval_tokens,
@@ -278,7 +282,19 @@ def _build(s: Settings, live: LiveState | None, server: ServerWorkload | None = 
         frontier_max_concurrency=s.frontier_max_concurrency or DEFAULT_FRONTIER_MAX_CONCURRENCY,
         seed=s.seed, notes=tuple(notes),
         measured=measure_server_waste(live, later, model.kv_bytes_per_token) if vtoken_server is not None else None,
+        reclaim=reclaim,
     )
+
+
+def _reclaim(server: ServerVToken | None, notes: list[str]) -> ReclaimConfig:
+    """The reclaimer of the vtoken replays: a vToken server's mode and theta_F, checked every
+    step as inside vLLM (defaults.VLLM_RECLAIM_INTERVAL_STEPS); else the sim's defaults."""
+    if server is None or server.reclaim_mode is None or server.theta_f is None:
+        return ReclaimConfig()
+    notes.append(f"vtoken replays reclaim as the server does: {server.reclaim_mode}, theta_F {server.theta_f:g} "
+                 f"(vtoken_info), checked every {VLLM_RECLAIM_INTERVAL_STEPS} step (vLLM's default; the server's "
+                 "own check interval is not exported)")
+    return ReclaimConfig(server.reclaim_mode, server.theta_f, check_interval_steps=VLLM_RECLAIM_INTERVAL_STEPS)
 
 
 def _eviction(s: Settings, server: ServerVToken | None, notes: list[str]) -> tuple[tuple[str, ...], Budget, int]:

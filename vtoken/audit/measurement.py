@@ -102,7 +102,8 @@ def experiment_of(deployment: Deployment, policy: str) -> Experiment:
     """The deployment as an experiment, evicting with `policy` (its runs: the workload's concurrency)."""
     return Experiment(
         model=deployment.model, gpu=deployment.gpu, num_blocks=deployment.num_blocks, block_size=deployment.block_size,
-        eviction=EvictionConfig(policy, deployment.budget, deployment.interval_tokens), seed=deployment.seed,
+        eviction=EvictionConfig(policy, deployment.budget, deployment.interval_tokens), reclaim=deployment.reclaim,
+        seed=deployment.seed,
     )
 
 
