@@ -89,6 +89,9 @@ def test_over_a_window_the_measured_waste_comes_from_the_integrals_beside_the_si
     assert closing["predicted"]["waste_ratio"] == predicted.waste_ratio
     assert closing["difference"]["waste_ratio"] == pytest.approx(0.25 - predicted.waste_ratio)
     assert len(closing["difference"]["utilization_histogram"]) == 10
+    predicted_blocks = predicted.trapped_bytes / report.deployment.kv_bytes_per_block
+    assert closing["predicted"]["trapped_blocks"] == pytest.approx(predicted_blocks)
+    assert closing["difference"]["trapped_blocks"] == pytest.approx(m.trapped_blocks - predicted_blocks)
     assert closing["server"]["budget"] == "keep 48 tokens (4 sinks, 16 recent)"
     assert "the sim predicts" in report.verdict and "F = 0.250" in report.verdict
 

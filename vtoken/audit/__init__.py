@@ -129,7 +129,8 @@ def _audit_one(deployment: Deployment, live: LiveState | None, gpus: NvmlReport,
     policies = measure(deployment, traces["mid"].requests, _offset(progress, 0, num_replays, ""))
     at_edges = {edge: measure(deployment, traces[edge].requests, _offset(progress, k + 1, num_replays, f"{edge} edge: "))
                 for k, edge in enumerate(edges)}
-    loop = (compare_with_sim(deployment.measured, {p.policy: p.runs for p in policies})
+    loop = (compare_with_sim(deployment.measured, {p.policy: p.runs for p in policies},
+                                    deployment.kv_bytes_per_block)
             if deployment.measured is not None else None)
     return AuditReport(deployment, live, gpus, traces["mid"], policies,
                        verdict(deployment, policies, live, at_edges, loop), at_edges, loop)

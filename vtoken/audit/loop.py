@@ -70,7 +70,16 @@ class LoopComparison:
     policy: str | None  # of the sim run compared; None when the server's policy was not audited
     variant: str
     predicted: RunResult | None
+    kv_bytes_per_block: int  # of the deployment: trapped bytes -> blocks
     notes: tuple[str, ...]
+
+    @property
+    def predicted_trapped_blocks(self) -> float | None:
+        return self.predicted.trapped_bytes / self.kv_bytes_per_block if self.predicted else None
+
+    @property
+    def trapped_blocks_difference(self) -> float | None:
+        return _minus(self.measured.trapped_blocks, self.predicted_trapped_blocks)
 
     @property
     def waste_ratio_difference(self) -> float | None:
@@ -138,7 +147,8 @@ def measure_server_waste(live: LiveState, later: LiveState | None, kv_bytes_per_
     )
 
 
-def compare_with_sim(measured: MeasuredWaste, runs_by_policy: Mapping[str, Mapping[str, RunResult]]) -> LoopComparison:
+def compare_with_sim(measured: MeasuredWaste, runs_by_policy: Mapping[str, Mapping[str, RunResult]],
+                     kv_bytes_per_block: int) -> LoopComparison:
     """`measured` beside the sim's run of the server's variant and policy (`runs_by_policy`:
     policy -> variant -> run, the audit's replays)."""
     server = measured.server
@@ -152,7 +162,7 @@ def compare_with_sim(measured: MeasuredWaste, runs_by_policy: Mapping[str, Mappi
             notes.append(f"the server evicts with {server.policy}, which this audit did not replay "
                          f"(pass --policy {server.policy})")
     predicted = runs_by_policy[policy].get(server.variant) if policy is not None else None
-    return LoopComparison(measured, policy, server.variant, predicted, tuple(notes))
+    return LoopComparison(measured, policy, server.variant, predicted, kv_bytes_per_block, tuple(notes))
 
 
 def _budget(text: str) -> Budget | None:

@@ -240,24 +240,23 @@ def report_to_json(report: AuditReport) -> dict:
         "workload": _workload_json(report),
         "policies": {p.policy: _policy_json(p, report.ranges(idx)) for idx, p in enumerate(report.policies)},
         "edges": {edge: {p.policy: _policy_json(p) for p in audits} for edge, audits in report.edges.items()},
-        "closing_the_loop": _loop_json(report.loop, d.block_size, d.kv_bytes_per_block) if report.loop else None,
+        "closing_the_loop": _loop_json(report.loop) if report.loop else None,
         "definitions": {key: text for key, _, text in DEFINITIONS},
         "verdict": report.verdict,
     })
 
 
-def _loop_json(loop: LoopComparison, block_size: int, kv_bytes_per_block: int) -> dict:
+def _loop_json(loop: LoopComparison) -> dict:
     m, p = loop.measured, loop.predicted
     server = asdict(m.server)
     server["budget"] = m.server.budget.describe() if m.server.budget is not None else None
     predicted = None
     if p is not None:
         predicted = {"waste_ratio": p.waste_ratio, "trapped_bytes": p.trapped_bytes,
-                     "trapped_blocks": p.trapped_bytes / kv_bytes_per_block,
+                     "trapped_blocks": loop.predicted_trapped_blocks,
                      "utilization_histogram": list(p.utilization_histogram)}
     difference = {"waste_ratio": loop.waste_ratio_difference, "trapped_bytes": loop.trapped_bytes_difference,
-                  "trapped_blocks": (loop.trapped_bytes_difference / kv_bytes_per_block
-                                     if loop.trapped_bytes_difference is not None else None),
+                  "trapped_blocks": loop.trapped_blocks_difference,
                   "utilization_histogram": list(loop.histogram_difference) if loop.histogram_difference else None}
     return {
         "server": server, "policy": loop.policy, "variant": loop.variant,

@@ -119,20 +119,16 @@ def _live_panel(report: AuditReport) -> Panel:
 def _loop_table(report: AuditReport) -> Group:
     """The server's measured waste beside the sim's run of the same variant and policy."""
     loop, m = report.loop, report.loop.measured
-    kv_bytes_per_block = report.deployment.kv_bytes_per_block
     p = loop.predicted
     table = Table()
     for column in ("figure", "measured on the server", "sim predicts", "difference"):
         table.add_column(column, justify="left" if column == "figure" else "right")
-    predicted_blocks = p.trapped_bytes / kv_bytes_per_block if p is not None else None
-    difference_blocks = (loop.trapped_bytes_difference / kv_bytes_per_block
-                         if loop.trapped_bytes_difference is not None else None)
     table.add_row("F (waste ratio)", _with_span(m.waste_ratio, "{:.3f}", m.waste_ratio_span),
                   _fmt(p.waste_ratio if p else None, "{:.3f}"), _fmt(loop.waste_ratio_difference, "{:+.3f}"))
     table.add_row("trapped GiB", _with_span(_gib(m.trapped_bytes), "{:.3f}", m.trapped_span),
                   _fmt(_gib(p.trapped_bytes) if p else None, "{:.3f}"), _fmt(_gib(loop.trapped_bytes_difference), "{:+.3f}"))
     table.add_row("trapped blocks", _with_span(m.trapped_blocks, "{:,.1f}", m.trapped_span),
-                  _fmt(predicted_blocks, "{:,.1f}"), _fmt(difference_blocks, "{:+,.1f}"))
+                  _fmt(loop.predicted_trapped_blocks, "{:,.1f}"), _fmt(loop.trapped_blocks_difference, "{:+,.1f}"))
     server = m.server
     title = (f"Closing the loop: the server's vToken ({server.variant}"
              + (f", {policy_title(server.policy)}" if server.policy else "") + ") measured, beside the sim's "
