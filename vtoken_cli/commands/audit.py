@@ -5,7 +5,8 @@ what vToken would recover.
 The command parses flags into `Overrides`, calls `vtoken.audit.audit_deployment` and prints
 render/audit.py's report: one replica (the usual case) as before, several each and in total. A
 flag left out takes the TOML's or the server's value, else the default of vtoken/defaults.py
-(the library resolves them).
+(the library resolves them). `--watch` replays nothing: audit_watch.py shows the servers' live
+load until Ctrl-C.
 """
 
 from __future__ import annotations
