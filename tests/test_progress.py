@@ -13,21 +13,54 @@ from vtoken.checker import num_progress_units as check_units
 from vtoken.compare import CompareOptions, compare
 from vtoken.compare import num_progress_units as compare_units
 from vtoken.replay import SimReplayer
-from vtoken.trace import load_trace
+from vtoken.runners import ProcessRunner, ReplayJob, ReplayProgress
+from vtoken.sweep import SweepOptions, Vary, sweep
+from vtoken.sweep import num_progress_units as sweep_units
+from vtoken.trace import load_trace, num_output_tokens
 from vtoken_cli.output import PlainProgress
 
 from test_checker import ONE, make_base
-from test_replayers import make_config
+from test_replayers import make_experiment, make_run
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_traces" / "azure_conv_sample.csv"
 
 
-def test_compare_reports_exactly_its_announced_tokens() -> None:
+def test_compare_reports_exactly_its_announced_tokens_as_replays_run() -> None:
     trace = load_trace(SAMPLE, max_requests=12)
-    options, replayer, seen = CompareOptions((2, 4)), SimReplayer(), []
-    compare(trace, make_config(num_blocks=600, concurrency=4), options, replayer, lambda s, n: seen.append(n),
+    options, replayer, seen = CompareOptions((2, 4), concurrency=4), SimReplayer(), []
+    compare(trace, make_experiment(num_blocks=600), options, replayer, lambda s, n: seen.append((s, n)),
             num_blocks=600)
-    assert sum(seen) == compare_units(trace, options, replayer) > len(trace.requests) * 3 * 10
+    assert sum(n for _, n in seen) == compare_units(trace, options, replayer) > len(trace.requests) * 3 * 10
+    # a serial replay reports its tokens as its steps complete, not once at its end
+    vtoken_reports = [n for stage, n in seen if stage == "vtoken"]
+    assert len(vtoken_reports) > 10 and sum(vtoken_reports) == num_output_tokens(trace.requests)
+
+
+def test_worker_processes_stream_their_tokens_and_report_exactly_the_total() -> None:
+    trace = load_trace(SAMPLE, max_requests=12)
+    options, seen = CompareOptions((2, 4), concurrency=4, with_frontier=False), []
+    replayer = SimReplayer(runner=ProcessRunner(2))
+    compare(trace, make_experiment(num_blocks=600), options, replayer, lambda s, n: seen.append(n), num_blocks=600)
+    assert sum(seen) == compare_units(trace, options, replayer)
+    assert all(n > 0 for n in seen)
+
+
+def test_sweep_reports_tokens_not_points() -> None:
+    trace = load_trace(SAMPLE, max_requests=8)
+    base, options, seen = make_run(), SweepOptions((Vary("theta_f", (0.05, 0.25)),)), []
+    sweep(trace, base, options, SimReplayer(), lambda s, n: seen.append(n), num_blocks=600)
+    assert sum(seen) == sweep_units(trace, base, options) == 2 * 3 * num_output_tokens(trace.requests)
+
+
+def test_a_reused_replay_reports_all_its_tokens_when_done() -> None:
+    trace = load_trace(SAMPLE, max_requests=4)
+    job = ReplayJob(make_run(), trace.requests)
+    seen = []
+    tracker = ReplayProgress(lambda s, n: seen.append((s, n)), [job, job], lambda idx: f"job {idx}")
+    SimReplayer().run_many([job, job], tracker.on_done, tracker.on_tokens)
+    total = num_output_tokens(trace.requests)
+    assert sum(n for s, n in seen if s == "job 0") == sum(n for s, n in seen if s == "job 1") == total
+    assert [n for s, n in seen if s == "job 1"] == [total]  # the duplicate is reused, not replayed
 
 
 def test_check_invariants_reports_exactly_its_announced_tokens() -> None:

@@ -43,10 +43,10 @@ class CountingRunner(SerialRunner):
     def __init__(self) -> None:
         self.replayed: list[tuple] = []  # (variant, concurrency, number of requests, all admitted at once)
 
-    def map(self, func, jobs, on_done=None):
+    def map(self, func, jobs, on_done=None, on_tokens=None):
         self.replayed += [(j.run.spec.variant, j.run.spec.concurrency, len(j.requests), j.run.spec.admit_all_at_start)
                           for j in jobs]
-        return super().map(func, jobs, on_done)
+        return super().map(func, jobs, on_done, on_tokens)
 
 
 class CountingReplayer(SimReplayer):

@@ -135,7 +135,7 @@ def test_the_key_covers_every_field_of_the_run_and_the_code(monkeypatch) -> None
 
 def test_an_interrupted_batch_keeps_what_finished(tmp_path) -> None:
     class FailingSecond(SerialRunner):
-        def map(self, func, jobs, on_done=None):
+        def map(self, func, jobs, on_done=None, on_tokens=None):
             on_done(0, func(jobs[0]))
             raise KeyboardInterrupt
 

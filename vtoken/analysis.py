@@ -29,7 +29,7 @@ import numpy as np
 from vtoken.engine import VARIANTS, Experiment, Run, run_sim
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
-from vtoken.runners import OnDone, ReplayJob, SerialRunner, replay_job
+from vtoken.runners import OnDone, OnTokens, ReplayJob, ReplayProgress, SerialRunner, replay_job
 from vtoken.trace import Request, num_output_tokens
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 12, 16, 22, 32, 48)
@@ -37,7 +37,7 @@ SLA_METRICS = {"e2e": "latency", "ttft": "ttft", "tpot": "tpot"}
 
 Progress = Callable[[str, int], None]  # (stage description, units done)
 Replay = Callable[[Run, Sequence[Request]], RunResult]  # one replay; `run_sim` unless a replayer's
-RunMany = Callable[[Sequence[ReplayJob], OnDone | None], list[RunResult]]  # a batch of independent replays
+RunMany = Callable[[Sequence[ReplayJob], OnDone | None, OnTokens | None], list[RunResult]]  # a batch of independent replays
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,9 @@ def sweep(experiment: Experiment, requests: Sequence[Request], concurrencies: Se
     """Every variant at every concurrency, closed loop. `run_many`: how the batch of replays
     runs (a replayer's; default: one after the other in this process)."""
     jobs = sweep_jobs(experiment, requests, concurrencies, variants)
-    on_done = ((lambda idx, result: progress(f"sweep C={jobs[idx].run.spec.concurrency}", num_output_tokens(requests)))
-               if progress else None)
-    results = run_many(jobs, on_done) if run_many else SerialRunner().map(replay_job, jobs, on_done)
+    tracker = ReplayProgress(progress, jobs, lambda idx: f"sweep C={jobs[idx].run.spec.concurrency}") if progress else None
+    hooks = (tracker.on_done, tracker.on_tokens) if tracker else ()
+    results = run_many(jobs, *hooks) if run_many else SerialRunner().map(replay_job, jobs, *hooks)
     return sweep_points(jobs, results, sla_metric)
 
 

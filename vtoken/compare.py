@@ -28,7 +28,7 @@ from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
 from vtoken.replay import Replayer
-from vtoken.runners import ReplayJob
+from vtoken.runners import ReplayJob, ReplayProgress
 from vtoken.trace import Request, Trace, num_output_tokens
 
 NO_SLA_NOTE = "no SLA selection: --variants leaves out naive-evict, whose p95 sets the SLA"
@@ -114,13 +114,13 @@ def _headline_and_sweep(experiment: Experiment, requests: tuple[Request, ...], o
                 for i in range(options.repeats) for v in variants]
     swept = sweep_jobs(experiment, requests, options.sweep_concurrencies, variants) if options.with_sweep else []
 
-    def on_done(idx: int, result: RunResult) -> None:
+    def label(idx: int) -> str:
         if idx < len(headline):
-            progress(headline[idx].run.spec.variant, num_output_tokens(requests))
-        else:
-            progress(f"sweep C={swept[idx - len(headline)].run.spec.concurrency}", num_output_tokens(requests))
+            return headline[idx].run.spec.variant
+        return f"sweep C={swept[idx - len(headline)].run.spec.concurrency}"
 
-    results = replayer.run_many(headline + swept, on_done if progress else None)
+    tracker = ReplayProgress(progress, headline + swept, label) if progress else None
+    results = replayer.run_many(headline + swept, *(tracker.on_done, tracker.on_tokens) if tracker else ())
     repeats = [dict(zip(variants, results[i * len(variants):(i + 1) * len(variants)])) for i in range(options.repeats)]
     return repeats, sweep_points(swept, results[len(headline):], options.sla_metric)
 

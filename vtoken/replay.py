@@ -7,8 +7,9 @@
                                                      geometry, once
     replayer.run_variants(experiment, requests, concurrency, progress)  {variant: RunResult}
     replayer.run(run, requests)                      one replay (sim: the frontier)
-    replayer.run_many(jobs, on_done)                 independent replays at once (sim: the headline
-                                                     runs, the sweep and repeats), on its runner
+    replayer.run_many(jobs, on_done, on_tokens)      independent replays at once (sim: the headline
+                                                     runs, the sweep and repeats), on its runner;
+                                                     progress through a runners.ReplayProgress
     replayer.measured                                what a real engine measured beyond the
                                                      results (MeasuredExtras), after run_variants
     replayer.supports_sweep / supports_frontier / supports_repeats
@@ -34,7 +35,7 @@ from vtoken.engine.hf_compare import MeasuredExtras, hf_num_blocks, speed_from_r
 from vtoken.errors import ConfigError
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.metrics import RunResult
-from vtoken.runners import OnDone, ReplayJob, Runner, SerialRunner, replay_job
+from vtoken.runners import OnDone, OnTokens, ReplayJob, ReplayProgress, Runner, SerialRunner, replay_job
 from vtoken.trace import Request, num_output_tokens
 
 if TYPE_CHECKING:
@@ -66,8 +67,10 @@ class Replayer(Protocol):
     def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
         """One replay of `run` (the frontier's)."""
 
-    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
-        """Independent replays, results in job order; `on_done(idx, result)` as job `idx` is done."""
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None,
+                 on_tokens: OnTokens | None = None) -> list[RunResult]:
+        """Independent replays, results in job order; `on_done(idx, result)` as job `idx` is
+        done, `on_tokens(idx, n)` as it generates tokens where they can be followed."""
 
     def notes(self) -> tuple[str, ...]:
         """What the report says about these replays (after `run_variants`)."""
@@ -99,21 +102,24 @@ class SimReplayer:
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None, variants: Sequence[str] = VARIANTS) -> dict[str, RunResult]:
         jobs = [ReplayJob(experiment.run(v, concurrency), tuple(requests)) for v in variants]
-        on_done = (lambda idx, result: progress(variants[idx], num_output_tokens(requests))) if progress else None
-        return dict(zip(variants, self.run_many(jobs, on_done)))
+        tracker = ReplayProgress(progress, jobs, variants.__getitem__) if progress else None
+        return dict(zip(variants, self.run_many(jobs, *(tracker.on_done, tracker.on_tokens) if tracker else ())))
 
     def run(self, run: Run, requests: Sequence[Request],
             on_progress: Callable[[int], None] | None = None) -> RunResult:
         """One replay, or the result of the identical one already replayed or cached (the sim
-        is deterministic: the same run and requests give the same result). `on_progress`:
-        the requests' output tokens, once it is done."""
-        on_done = (lambda idx, result: on_progress(num_output_tokens(requests))) if on_progress else None
-        return self.run_many([ReplayJob(run, tuple(requests))], on_done)[0]
+        is deterministic: the same run and requests give the same result). `on_progress(n)`:
+        the requests' output tokens as they are generated (all at once for a reused one)."""
+        jobs = [ReplayJob(run, tuple(requests))]
+        tracker = ReplayProgress(lambda _, n: on_progress(n), jobs, str) if on_progress else None
+        return self.run_many(jobs, *(tracker.on_done, tracker.on_tokens) if tracker else ())[0]
 
-    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None,
+                 on_tokens: OnTokens | None = None) -> list[RunResult]:
         """Every distinct job neither replayed here yet nor cached goes to the runner, in one
         batch; each result is kept (and cached) as it arrives, so an interrupted batch keeps
-        what finished. `on_done(idx, result)` for every index of `jobs`, duplicates included."""
+        what finished. `on_done(idx, result)` for every index of `jobs`, duplicates included;
+        `on_tokens(idx, n)` for the first index of a job the runner replays as it streams."""
         indices: dict[ReplayJob, list[int]] = {}
         for idx, job in enumerate(jobs):
             indices.setdefault(job, []).append(idx)
@@ -131,7 +137,8 @@ class SimReplayer:
             for idx in indices[job] if on_done is not None else ():
                 on_done(idx, result)
 
-        self.runner.map(replay_job, missing, store)
+        streamed = (lambda missing_idx, n: on_tokens(indices[missing[missing_idx]][0], n)) if on_tokens else None
+        self.runner.map(replay_job, missing, store, streamed)
         return [self._results[job] for job in jobs]
 
     def _lookup(self, job: ReplayJob) -> RunResult | None:
@@ -179,7 +186,8 @@ class HFReplayer:
 
         return run_hf(run, requests, self._loaded()).result
 
-    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None,
+                 on_tokens: OnTokens | None = None) -> list[RunResult]:
         return SerialRunner().map(lambda job: self.run(job.run, job.requests), jobs, on_done)
 
     def notes(self) -> tuple[str, ...]:
@@ -235,7 +243,8 @@ class VllmReplayer:
     def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
         raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
 
-    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None) -> list[RunResult]:
+    def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None,
+                 on_tokens: OnTokens | None = None) -> list[RunResult]:
         raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
 
     def notes(self) -> tuple[str, ...]:

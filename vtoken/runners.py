@@ -2,6 +2,9 @@
 
     runner.map(func, jobs, on_done)    [func(job) for job in jobs], in job order; on_done(idx,
                                        result) in this process as each one finishes
+    runner.map(func, jobs, on_done, on_tokens)
+                                       also on_tokens(idx, n) as job idx generates tokens:
+                                       func(job, report) calls report(n) as it goes
     make_runner(workers, ray_address)  SerialRunner | ProcessRunner | RayRunner
 
 `func` must be a module-level function and every job picklable (a `ReplayJob` is: frozen
@@ -17,19 +20,25 @@ batch is done.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import queue
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from vtoken.engine import Run, run_sim
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
-from vtoken.trace import Request
+from vtoken.trace import Request, num_output_tokens
 
 OnDone = Callable[[int, Any], None]  # (index of the job that just finished, its result)
+OnTokens = Callable[[int, int], None]  # (index of a running job, tokens it generated since its last report)
+TOKEN_REPORT_INTERVAL_S = 0.25  # a worker process batches its token reports this long
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local cluster stays on 127.0.0.1
 RAY_INSTALL_HINT = "pip install 'vtoken[ray]' (or pip install 'ray>=2')"
 
@@ -42,16 +51,42 @@ class ReplayJob:
     requests: tuple[Request, ...]
 
 
-def replay_job(job: ReplayJob) -> RunResult:
-    """The sim replay of `job` (what every runner runs, in whatever process)."""
-    return run_sim(job.run, job.requests)
+def replay_job(job: ReplayJob, on_tokens: Callable[[int], None] | None = None) -> RunResult:
+    """The sim replay of `job` (what every runner runs, in whatever process); `on_tokens(n)` as
+    it generates tokens."""
+    return run_sim(job.run, job.requests, on_tokens)
+
+
+class ReplayProgress:
+    """A batch of replays' progress in generated tokens, for `map(..., on_done, on_tokens)`:
+    tokens as a runner streams them, and when a replay is done whatever of its output tokens it
+    has not reported (all of them for a reused, cached or non-streaming one). The batch reports
+    exactly its replays' output tokens, whatever runs them."""
+
+    def __init__(self, progress: Callable[[str, int], None], jobs: Sequence[ReplayJob],
+                 label: Callable[[int], str]) -> None:
+        self._progress, self._label = progress, label
+        self._left = [num_output_tokens(job.requests) for job in jobs]
+
+    def on_tokens(self, idx: int, num_tokens: int) -> None:
+        num_tokens = min(num_tokens, self._left[idx])
+        self._left[idx] -= num_tokens
+        if num_tokens:
+            self._progress(self._label(idx), num_tokens)
+
+    def on_done(self, idx: int, result: object) -> None:
+        self.on_tokens(idx, self._left[idx])
 
 
 class Runner(Protocol):
     name: str
 
-    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
-        """`[func(job) for job in jobs]` in job order; `on_done(idx, result)` as job `idx` finishes."""
+    def map(self, func: Callable[..., Any], jobs: Sequence[Any], on_done: OnDone | None = None,
+            on_tokens: OnTokens | None = None) -> list[Any]:
+        """`[func(job) for job in jobs]` in job order; `on_done(idx, result)` as job `idx` finishes.
+        With `on_tokens`, `func(job, report)` is called instead and `report(n)` reaches
+        `on_tokens(idx, n)` in this process (a runner that cannot stream reports nothing, and
+        `on_done` then stands for all of the job's tokens)."""
 
 
 def available_cores() -> int:
@@ -64,10 +99,11 @@ class SerialRunner:
 
     name = "serial"
 
-    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
+    def map(self, func: Callable[..., Any], jobs: Sequence[Any], on_done: OnDone | None = None,
+            on_tokens: OnTokens | None = None) -> list[Any]:
         results = []
         for idx, job in enumerate(jobs):
-            results.append(func(job))
+            results.append(func(job, partial(on_tokens, idx)) if on_tokens is not None else func(job))
             if on_done is not None:
                 on_done(idx, results[-1])
         return results
@@ -84,16 +120,24 @@ class ProcessRunner:
             raise ConfigError(f"--workers must be > 0, got {workers}")
         self.workers = workers
 
-    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
+    def map(self, func: Callable[..., Any], jobs: Sequence[Any], on_done: OnDone | None = None,
+            on_tokens: OnTokens | None = None) -> list[Any]:
         if len(jobs) <= 1 or self.workers == 1:
-            return SerialRunner().map(func, jobs, on_done)
+            return SerialRunner().map(func, jobs, on_done, on_tokens)
         results: list[Any] = [None] * len(jobs)
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(jobs)), mp_context=context) as pool:
-            pending = {pool.submit(func, job): idx for idx, job in enumerate(jobs)}
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=min(self.workers, len(jobs)), mp_context=context))
+            reports = stack.enter_context(context.Manager()).Queue() if on_tokens is not None else None
+            if reports is None:
+                pending = {pool.submit(func, job): idx for idx, job in enumerate(jobs)}
+            else:
+                pending = {pool.submit(_reporting, func, job, idx, reports): idx for idx, job in enumerate(jobs)}
             try:
                 while pending:
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    done, _ = wait(pending, timeout=TOKEN_REPORT_INTERVAL_S, return_when=FIRST_COMPLETED)
+                    if reports is not None:  # a finished job's reports are all queued before its result
+                        _drain(reports, on_tokens)
                     for future in sorted(done, key=pending.__getitem__):
                         idx = pending.pop(future)
                         results[idx] = future.result()
@@ -104,6 +148,31 @@ class ProcessRunner:
                     future.cancel()
                 raise
         return results
+
+
+def _reporting(func: Callable[..., Any], job: Any, idx: int, reports: Any) -> Any:
+    """`func(job, report)` in a worker, its token reports batched onto the `reports` queue."""
+    pending = [0, time.monotonic()]  # tokens not yet sent, when the last batch was sent
+
+    def report(num_tokens: int) -> None:
+        pending[0] += num_tokens
+        if time.monotonic() - pending[1] >= TOKEN_REPORT_INTERVAL_S:
+            reports.put((idx, pending[0]))
+            pending[:] = [0, time.monotonic()]
+
+    result = func(job, report)
+    if pending[0]:
+        reports.put((idx, pending[0]))
+    return result
+
+
+def _drain(reports: Any, on_tokens: OnTokens) -> None:
+    while True:
+        try:
+            idx, num_tokens = reports.get_nowait()
+        except queue.Empty:
+            return
+        on_tokens(idx, num_tokens)
 
 
 class RayRunner:
@@ -120,9 +189,11 @@ class RayRunner:
         self.address = address
         self.num_cpus = num_cpus
 
-    def map(self, func: Callable[[Any], Any], jobs: Sequence[Any], on_done: OnDone | None = None) -> list[Any]:
+    def map(self, func: Callable[..., Any], jobs: Sequence[Any], on_done: OnDone | None = None,
+            on_tokens: OnTokens | None = None) -> list[Any]:
+        """Ray tasks do not stream token reports: `on_done` stands for each job's tokens."""
         if len(jobs) <= 1:
-            return SerialRunner().map(func, jobs, on_done)
+            return SerialRunner().map(func, jobs, on_done, on_tokens)
         import ray
 
         if not ray.is_initialized():

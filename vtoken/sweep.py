@@ -27,8 +27,8 @@ from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
 from vtoken.policies.base import Budget
 from vtoken.replay import Replayer
-from vtoken.runners import ReplayJob
-from vtoken.trace import Trace
+from vtoken.runners import ReplayJob, ReplayProgress
+from vtoken.trace import Trace, num_output_tokens
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,11 @@ def num_points(base: Run, options: SweepOptions) -> int:
     return len(point_settings(base, options))
 
 
+def num_progress_units(trace: Trace, base: Run, options: SweepOptions) -> int:
+    """Progress units `sweep` reports: the tokens its replays generate, each replay's exactly."""
+    return num_points(base, options) * len(options.variants) * num_output_tokens(trace.requests)
+
+
 def sweep(trace: Trace, base: Run, options: SweepOptions, replayer: Replayer,
           progress: Progress | None = None, *, num_blocks: int | None = None) -> SweepReport:
     """Replay `trace` with `options.variants` at every point of the sweep (module docstring)."""
@@ -161,8 +166,9 @@ def sweep(trace: Trace, base: Run, options: SweepOptions, replayer: Replayer,
         experiment = replayer.resolve(run.experiment, requests, run.spec.concurrency, setting.get("num_blocks", num_blocks))
         point_runs.append(replace(run, experiment=experiment))
     jobs = [ReplayJob(r.with_variant(v), requests) for r in point_runs for v in variants]
-    on_done = (lambda idx, result: progress(f"point {idx // len(variants) + 1}/{len(point_runs)}", 1)) if progress else None
-    results = replayer.run_many(jobs, on_done)
+    tracker = (ReplayProgress(progress, jobs, lambda idx: f"point {idx // len(variants) + 1}/{len(point_runs)}")
+               if progress else None)
+    results = replayer.run_many(jobs, *(tracker.on_done, tracker.on_tokens) if tracker else ())
     points = []
     for i, (setting, run) in enumerate(zip(point_settings(base, options), point_runs)):
         runs = dict(zip(variants, results[i * len(variants):(i + 1) * len(variants)]))

@@ -18,7 +18,7 @@ from vtoken.engine import VARIANTS, Run
 from vtoken.errors import ConfigError
 from vtoken.replay import SimReplayer
 from vtoken.runners import make_runner
-from vtoken.sweep import PARAMETERS, SweepOptions, SweepReport, Vary, num_points, report_to_json, sweep
+from vtoken.sweep import PARAMETERS, SweepOptions, SweepReport, Vary, num_progress_units, report_to_json, sweep
 from vtoken.trace import load_trace
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
@@ -84,7 +84,7 @@ def sweep_command(
     loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
                         tokenizer=build_tokenizer(tokenizer))
     with progress_bar(stderr, 22, "sweep") as bar:
-        task = bar.add_task("replaying", total=num_points(base, options) * len(options.variants))
+        task = bar.add_task("replaying", total=num_progress_units(loaded, base, options))
         report = sweep(loaded, base, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
                        num_blocks=num_blocks)
     payload = report_to_json(report)
