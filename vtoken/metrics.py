@@ -61,7 +61,7 @@ class RequestRecord:
     finish_s: float
     num_prompt_tokens: int
     num_output_tokens: int
-    num_preemptions: int | None  # None: the executor does not count them per request (vLLM)
+    num_preemptions: int  # times it was preempted (recomputed) before it finished
 
     @property
     def ttft_s(self) -> float:
@@ -272,8 +272,8 @@ class Recorder:
             self._weighted_histogram += duration_s * fractions
 
     def record_finish(self, request: Request, arrival_s: float, first_token_s: float, finish_s: float, *,
-                      num_preemptions: int | None) -> None:
-        """`request` finished at `finish_s`; `num_preemptions` None where the executor does not count them."""
+                      num_preemptions: int) -> None:
+        """`request` finished at `finish_s`, after `num_preemptions` preemptions."""
         num_output_tokens = request.num_output_tokens
         self.finished.append(RequestRecord(request.request_id, arrival_s, first_token_s, finish_s,
                                            request.num_prompt_tokens, num_output_tokens, num_preemptions))

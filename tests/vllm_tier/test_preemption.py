@@ -52,3 +52,19 @@ def test_preempted_requests_resume_with_the_same_evictions(llm, reference_model,
     assert not tracker.requests and tracker.ledger.num_free_blocks == tracker.ledger.num_blocks
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every block back but the null block
+
+
+def test_a_replay_counts_each_requests_preemptions(llm, tiny_model_dir):
+    from vtoken.engine import Experiment
+    from vtoken.engine.vllm.run import replay
+    from vtoken.hardware import resolve_gpu
+    from vtoken.model_spec import model_spec_from_hf_config
+    from vtoken.trace import Request
+
+    model = model_spec_from_hf_config(tiny_model_dir)
+    experiment = Experiment(model, resolve_gpu("h100"), num_blocks=NUM_BLOCKS, block_size=32)
+    requests = [Request(f"r{i}", 0.0, 40 + 8 * i, 48) for i in range(3)]
+    result = replay(llm, experiment.run("native", 3), requests)
+    per_request = [record.num_preemptions for record in result.requests]
+    assert len(per_request) == 3 and all(isinstance(n, int) for n in per_request)
+    assert sum(per_request) == result.preemptions > 0, "the pool should have forced a preemption"

@@ -146,7 +146,6 @@ def _writers(report, payload: dict) -> list:
         pd.DataFrame(hist).to_csv(d / "utilization_histogram.csv", index=False)
         for name, r in report.runs.items():
             requests = pd.DataFrame([_request_row(record) for record in r.requests], columns=REQUEST_COLUMNS)
-            requests["num_preemptions"] = requests["num_preemptions"].astype("Int64")  # empty where not counted
             requests.to_csv(d / f"requests_{name}.csv", index=False)
         if report.sweep:
             latency = f"p95_{report.sla.metric}_latency_s" if report.sla is not None else "p95_latency_s"

@@ -61,6 +61,15 @@ def prompt_ids(request_idx: int, num_tokens: int, seed: int, vocab_size: int) ->
     return rng.integers(3, vocab_size, num_tokens).tolist()
 
 
+def preemptions_by_id(scheduler) -> dict[str, int]:
+    """Preemptions so far of every request vLLM holds (running or waiting), by the id it was
+    added with. vLLM counts them on its `Request` (`Scheduler._preempt_request`) and adds 8
+    random characters to the ids it is given (`InputProcessor.assign_request_id`: "{id}-{random}").
+    Read after every step: a preempted request runs again before it can finish, so no count is missed."""
+    return {req_id.rpartition("-")[0] or req_id: request.num_preemptions
+            for req_id, request in scheduler.requests.items() if request.num_preemptions}
+
+
 def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], None] | None = None,
            check_invariants: bool = False) -> RunResult:
     """Closed-loop replay of `requests` on a built engine with `run`'s variant settings."""
@@ -75,6 +84,7 @@ def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], 
     recorder = Recorder(experiment.model.kv_bytes_per_token)
     skipped, pending = [], list(enumerate(requests))
     in_flight: dict[str, tuple[int, float, float | None]] = {}  # id -> (num output tokens, arrival, first token)
+    num_preemptions: dict[str, int] = {}  # id -> preemptions so far, read from vLLM's requests
     started = time.perf_counter()
     num_iterations = 0
 
@@ -97,6 +107,7 @@ def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], 
         outputs = engine.step()
         num_iterations += 1
         now_s = time.perf_counter() - started
+        num_preemptions.update(preemptions_by_id(scheduler))
         for output in outputs:
             num_out, arrival_s, first_s = in_flight[output.request_id]
             if first_s is None and output.outputs and output.outputs[0].token_ids:
@@ -105,7 +116,8 @@ def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], 
             if output.finished:
                 del in_flight[output.request_id]
                 recorder.record_finish(requests[int(output.request_id)], arrival_s,
-                                       first_s if first_s is not None else now_s, now_s, num_preemptions=None)
+                                       first_s if first_s is not None else now_s, now_s,
+                                       num_preemptions=num_preemptions.pop(output.request_id, 0))
                 if on_done is not None:
                     on_done(requests[int(output.request_id)].num_output_tokens)
         recorder.sample(now_s, len(scheduler.vtoken.requests), held_memory(scheduler))
