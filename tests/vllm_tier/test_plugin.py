@@ -27,8 +27,7 @@ from vtoken.errors import ConfigError  # noqa: E402
 SETTINGS = {"budget": 48, "num_recent_tokens": 16, "interval_tokens": 8, "theta_f": 0.01}
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--dtype", "float32",
           "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "1024"]
-EAGER_NO_PREFIX = ["--enforce-eager", "--no-enable-prefix-caching"]
-EAGER_KWARGS = {"enforce_eager": True, "enable_prefix_caching": False}
+EAGER_KWARGS = {"enforce_eager": True}
 REFUSAL_TIMEOUT_S = 120
 
 
@@ -68,8 +67,7 @@ def test_a_vtoken_key_selects_the_vtoken_classes(tiny_model_dir):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kwargs, phrase", [
-    ({"enforce_eager": True}, "prefix caching is on (pass --no-enable-prefix-caching"),
-    ({"enable_prefix_caching": False}, "CUDA graphs / torch.compile are on (pass --enforce-eager"),
+    ({}, "CUDA graphs / torch.compile are on (pass --enforce-eager"),
     ({**EAGER_KWARGS, "block_size": 48}, "--block-size 48 is not a multiple of 32"),
     ({**EAGER_KWARGS, "scheduler_cls": "my.Scheduler"}, "--scheduler-cls my.Scheduler replaces vToken's scheduler"),
 ])
@@ -87,6 +85,12 @@ def test_native_evicts_nothing_and_runs_with_prefix_caching(tiny_model_dir):
 
 
 @pytest.mark.timeout(120)
+def test_an_evicting_variant_keeps_vllm_prefix_caching_on(tiny_model_dir):
+    config = engine_config(tiny_model_dir, additional_config={"vtoken": {}}, **EAGER_KWARGS)
+    assert config.cache_config.enable_prefix_caching
+
+
+@pytest.mark.timeout(120)
 def test_a_bad_vtoken_key_is_refused_and_build_llm_raises_the_config_error(tiny_model_dir):
     with pytest.raises(RefusedAtStart, match="unknown variant 'fast'"):
         engine_config(tiny_model_dir, additional_config={"vtoken": {"variant": "fast"}}, **EAGER_KWARGS)
@@ -101,15 +105,14 @@ def test_a_bad_vtoken_key_is_refused_and_build_llm_raises_the_config_error(tiny_
 def plain_server(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("plain")
     port = free_port()
-    argv = SERVER + ["--model", tiny_model_dir, "--port", str(port), *EAGER_NO_PREFIX, "--block-size", "32",
+    argv = SERVER + ["--model", tiny_model_dir, "--port", str(port), "--enforce-eager", "--block-size", "32",
                      "--additional-config", json.dumps({"vtoken": SETTINGS})]
-    env = server_env(PROMETHEUS_MULTIPROC_DIR=str(folder / "prometheus"))
-    (folder / "prometheus").mkdir()
+    env = server_env()  # no PROMETHEUS_MULTIPROC_DIR: the plugin routes vtoken_* metrics itself
     with launched(argv, port, folder / "server.log", env) as base_url:
         yield base_url
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_a_plain_vllm_launch_runs_vtoken(plain_server, tiny_model_dir):
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(lambda _: complete(plain_server, tiny_model_dir), range(3)))
@@ -122,13 +125,13 @@ def test_a_plain_vllm_launch_runs_vtoken(plain_server, tiny_model_dir):
 
 
 @pytest.mark.timeout(REFUSAL_TIMEOUT_S + 30)
-def test_a_plain_launch_with_prefix_caching_exits_with_one_line(tiny_model_dir):
-    argv = SERVER + ["--model", tiny_model_dir, "--port", str(free_port()), "--enforce-eager",
+def test_a_plain_launch_without_enforce_eager_exits_with_one_line(tiny_model_dir):
+    argv = SERVER + ["--model", tiny_model_dir, "--port", str(free_port()), "--block-size", "32",
                      "--additional-config", json.dumps({"vtoken": SETTINGS})]
     env = server_env(VLLM_LOGGING_LEVEL="ERROR")
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=REFUSAL_TIMEOUT_S)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("vtoken: ")]
     assert len(lines) == 1, done.stderr[-3000:]
-    assert "pass --no-enable-prefix-caching" in lines[0]
+    assert "pass --enforce-eager" in lines[0]
     assert "Traceback" not in done.stderr

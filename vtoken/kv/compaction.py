@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vtoken.errors import ConfigError
+from vtoken.errors import ConfigError, VTokenError
 from vtoken.kv.reclaim import RECLAIM_MODES
 from vtoken.kv.token_table import Moves, TokenTable
 
@@ -44,9 +44,6 @@ def plan_compaction(table: TokenTable, mode: str) -> Moves:
     """Moves that leave the live tokens exactly at positions 0..num_live-1. Mutates nothing."""
     if mode not in RECLAIM_MODES:
         raise ConfigError(f"unknown reclaim mode '{mode}'; choose one of: {', '.join(RECLAIM_MODES)}")
-    if table.num_pinned_tokens:
-        raise ConfigError(f"request {table.req_id}: compaction over a shared prefix is not supported "
-                          "(run vLLM with prefix caching off)")
     live_ids, positions = live_positions(table)
     num_live = live_ids.size
     if mode == "ordered":
@@ -61,6 +58,10 @@ def plan_compaction(table: TokenTable, mode: str) -> Moves:
         outside = np.flatnonzero(~in_front)
         moving = outside[np.argsort(-positions[outside], kind="stable")]  # the last token first
         dst = holes
+    num_pinned = table.num_pinned_tokens
+    # a pinned (shared) prefix fills the first blocks in order, so no move touches it
+    if num_pinned and (not np.array_equal(positions[:num_pinned], np.arange(num_pinned)) or np.any(dst < num_pinned)):
+        raise VTokenError(f"request {table.req_id}: a compaction would move into or out of its pinned prefix")
     return _moves(table, live_ids[moving], positions[moving], dst)
 
 

@@ -3,8 +3,7 @@
 With vtoken installed, vLLM's plugin entry point (plugin.py) turns it on from the additional
 config alone; the other flags are the settings vToken needs, refused at start when missing:
 
-    python -m vllm.entrypoints.openai.api_server --model MODEL --block-size 32 \
-        --no-enable-prefix-caching --enforce-eager \
+    python -m vllm.entrypoints.openai.api_server --model MODEL --block-size 32 --enforce-eager \
         --additional-config '{"vtoken": {"variant": "vtoken", "policy": "streaming_llm"}}'
 
 (on CUDA also --no-async-scheduling and VLLM_USE_V2_MODEL_RUNNER=0; `--scheduler-cls
@@ -16,6 +15,7 @@ Modules, in data-flow order:
 
     settings     additional_config["vtoken"] -> VllmSettings                       (no vLLM)
     tracker      token tables, policy, compaction, block release, counters         (no vLLM)
+    prefix_cache protected prefixes and dropped hashes with vLLM's prefix caching  (no vLLM)
     compaction   dense packing plans (hole-fill, ordered), naive block counts      (no vLLM)
     scores       attention statistics for H2O / Scissorhands / TOVA                (no vLLM)
     plan         StepPlan: what the scheduler sends the worker each step            (no vLLM)

@@ -42,12 +42,13 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None
     dtype: str = "float32"
     seed: int = 0
+    enable_prefix_caching: bool = False  # compare and the checkers replay random prompts: nothing to share
     extra_llm_kwargs: dict | None = None  # more vllm.LLM arguments (settings to try)
 
     def llm_kwargs(self) -> dict:
         kwargs = dict(
             model=self.model, dtype=self.dtype, block_size=self.block_size, enforce_eager=True,
-            enable_prefix_caching=False, async_scheduling=False, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching, async_scheduling=False, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs, seed=self.seed,
         )
         if self.num_gpu_blocks_override is not None:
@@ -120,6 +121,7 @@ class Generation:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     events: tuple  # tracker.EvictionEvent, recorded when the engine was built with record_events
+    num_cached_tokens: int = 0  # prompt tokens found in vLLM's prefix cache
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[Generation]:
@@ -136,5 +138,6 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[Generation]
         completion = output.outputs[0]
         logprobs = tuple(step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids))
         events = tuple(tracker.events_of(first_idx + i)) if tracker is not None else ()
-        generations.append(Generation(tuple(prompt), tuple(completion.token_ids), logprobs, events))
+        generations.append(Generation(tuple(prompt), tuple(completion.token_ids), logprobs, events,
+                                      output.num_cached_tokens or 0))
     return generations

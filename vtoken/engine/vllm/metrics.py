@@ -1,11 +1,19 @@
 """vtoken_* Prometheus metrics of a vToken-enabled vLLM engine. No vLLM import.
 
 The scheduler runs in vLLM's engine-core process while `/metrics` is served by the API server
-process, so the metrics travel through prometheus_client's multiprocess mode: with
-`PROMETHEUS_MULTIPROC_DIR` set (vLLM then reads that directory for `/metrics`, and
-`vtoken serve` sets it), every value written here lands in a file the API server collects.
-Without it (in-process engines, tests), the metrics live in a private registry,
-`EngineMetrics.registry`, and `render()` gives their exposition text.
+process, so the metrics travel one of two ways:
+
+- `PROMETHEUS_MULTIPROC_DIR` set before the server starts (`vtoken serve` sets it; vLLM then
+  reads that directory for `/metrics`): prometheus_client's multiprocess mode, every value
+  written here lands in a file the API server collects;
+- otherwise, on a plain launch: the plugin, in the API server process before the engine core
+  starts, names a file in `$VTOKEN_METRICS_FILE` and registers a `FileCollector` for it in
+  prometheus_client's default registry (the one vLLM's `/metrics` serves without the
+  multiprocess directory); the engine core writes the private registry's exposition text there
+  (atomically, at most every EXPORT_INTERVAL_S and whenever the last request leaves).
+
+In-process engines (tests) keep the metrics in a private registry, `EngineMetrics.registry`,
+and `render()` gives their exposition text.
 
     vtoken_info{variant,policy,budget,reclaim_mode,theta_f,block_size}   1
     vtoken_waste_ratio           F (Eq. 1) over vLLM's allocated blocks, 0..1
@@ -31,6 +39,7 @@ import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.engine.vllm.tracker import EngineStats
@@ -51,6 +60,9 @@ _COUNTERS = {
     "preemptions": "Requests whose token table was dropped by a preemption",
     "invariant_violations": "Invariant checks that failed",
 }
+METRICS_FILE_ENV = "VTOKEN_METRICS_FILE"
+EXPORT_INTERVAL_S = 0.5
+
 _INTEGRALS = {
     "live_token_seconds": "Live KV tokens integrated over time (token x seconds)",
     "allocated_token_seconds": "Allocated KV capacity, blocks x block size, integrated over time (token x seconds)",
@@ -88,6 +100,8 @@ class EngineMetrics:
         self._sums = dict.fromkeys(_INTEGRALS, 0.0)
         self._last_time_s: float | None = None
         self.last_stats: EngineStats | None = None
+        self.export_path = None if self.is_multiprocess else os.environ.get(METRICS_FILE_ENV)
+        self._last_export_s = float("-inf")
 
     def observe(self, stats: EngineStats, now_s: float | None = None) -> None:
         """Record the state after a step; the previous state is weighted by the time since."""
@@ -113,6 +127,17 @@ class EngineMetrics:
             if value > self._last_counts[key]:
                 counter.inc(value - self._last_counts[key])
                 self._last_counts[key] = value
+        if self.export_path and (now_s - self._last_export_s >= EXPORT_INTERVAL_S or not stats.num_running_requests
+                                 or stats.counters.invariant_violations):
+            self.export(now_s)
+
+    def export(self, now_s: float) -> None:
+        """Write the exposition text to `export_path` (the plain-launch route to `/metrics`)."""
+        temporary = f"{self.export_path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as out:
+            out.write(self.render())
+        os.replace(temporary, self.export_path)
+        self._last_export_s = now_s
 
     def _add_integral(self, key: str, amount: float) -> None:
         if amount > 0:
@@ -136,3 +161,19 @@ def _info_values(settings: VllmSettings) -> dict[str, str]:
         "theta_f": f"{settings.reclaim.theta_f:g}",
         "interval_tokens": str(settings.eviction.interval_tokens),
     }
+
+
+class FileCollector:
+    """A prometheus_client collector of the metric families in an exposition-text file (the
+    engine core's vtoken_* metrics, for the API server's default registry)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self):
+        try:
+            with open(self.path) as source:
+                text = source.read()
+        except FileNotFoundError:  # the engine has not finished a step yet
+            return
+        yield from text_string_to_metric_families(text)

@@ -1,7 +1,7 @@
 """vToken as a vLLM general plugin: a plain vLLM launch with `--additional-config '{"vtoken": ...}'`.
 
     python -m vllm.entrypoints.openai.api_server --model MODEL --block-size 32 \\
-        --no-enable-prefix-caching --enforce-eager --additional-config '{"vtoken": {"policy": "streaming_llm"}}'
+        --enforce-eager --additional-config '{"vtoken": {"policy": "streaming_llm"}}'
 
 With vtoken installed, vLLM finds `register` in the entry-point group `vllm.general_plugins`
 (pyproject.toml) and calls it once in every vLLM process (`vllm/plugins/__init__.py`
@@ -18,7 +18,8 @@ vLLM file or class changes. Around the stock hook, when `additional_config` has 
              only when worker_cls is still "auto": platforms/cpu.py:343, platforms/cuda.py:328)
     after    the settings are read and every setting vToken cannot run with is refused
              (support.config_problems): the process exits with one line naming each setting;
-             a warning when vtoken_* metrics cannot reach the server's /metrics
+             without PROMETHEUS_MULTIPROC_DIR, vtoken_* metrics are routed to the server's
+             /metrics through a file (metrics.py)
 
 Without a "vtoken" key the wrapper calls the stock hook and changes nothing. The names relied
 on are in contract.py and the behaviour is tested in tests/vllm_tier/test_plugin.py.
@@ -26,16 +27,18 @@ on are in contract.py and the behaviour is tested in tests/vllm_tier/test_plugin
 
 from __future__ import annotations
 
-import logging
+import atexit
 import os
+import shutil
+import tempfile
 
 from vtoken.engine.vllm.engine import SCHEDULER_CLS, WORKER_CLS
+from vtoken.engine.vllm.metrics import METRICS_FILE_ENV, FileCollector
 from vtoken.engine.vllm.settings import CONFIG_KEY
 from vtoken.errors import ConfigError
 
 _STOCK_WORKERS = ("auto", "vllm.v1.worker.cpu_worker.CPUWorker", "vllm.v1.worker.gpu_worker.Worker")
 _WRAPPED = "_vtoken_wrapped"
-_LOGGER = "vllm.plugins.vtoken"  # under "vllm": vLLM's log format and stream
 
 
 class RefusedAtStart(SystemExit):
@@ -65,7 +68,7 @@ def register() -> None:
         stock_hook(vllm_config)
         if enabled:
             refuse_unsupported(vllm_config)
-            warn_if_metrics_stay_in_the_engine()
+            route_metrics_to_the_server()
 
     setattr(check_and_update_config, _WRAPPED, True)
     current_platform.check_and_update_config = check_and_update_config
@@ -99,12 +102,19 @@ def refuse_unsupported(vllm_config) -> None:
         raise RefusedAtStart(error) from None
 
 
-def warn_if_metrics_stay_in_the_engine() -> None:
-    """vtoken_* metrics are written in the engine-core process; a server's `/metrics` (process
-    0) shows them only through prometheus_client's multiprocess directory, which must be set
-    before the server starts (prometheus_client reads it at import), so it is only named here."""
+def route_metrics_to_the_server() -> None:
+    """vtoken_* metrics are written in the engine-core process; a server's `/metrics` (this
+    process, which builds the config before it starts the engine core) collects them from
+    prometheus_client's multiprocess directory when one is set, or else from a file this
+    function names in the environment the engine core inherits (metrics.FileCollector). Once
+    per process; nothing for an in-process engine."""
     multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
-    if multiprocess and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        logging.getLogger(_LOGGER).warning(
-            "vToken is on; its vtoken_* metrics reach /metrics only with PROMETHEUS_MULTIPROC_DIR set to an "
-            "empty directory: PROMETHEUS_MULTIPROC_DIR=$(mktemp -d) python -m vllm.entrypoints.openai.api_server ...")
+    if not multiprocess or "PROMETHEUS_MULTIPROC_DIR" in os.environ or METRICS_FILE_ENV in os.environ:
+        return
+    from prometheus_client import REGISTRY
+
+    folder = tempfile.mkdtemp(prefix="vtoken-metrics-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, "vtoken.prom")
+    os.environ[METRICS_FILE_ENV] = path
+    REGISTRY.register(FileCollector(path))

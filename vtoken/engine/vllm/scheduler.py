@@ -11,7 +11,11 @@ is the glue to vLLM's hooks:
                           reached its eviction point; hand back trailing blocks; metrics
     _free_request_blocks  (preemption and finish) drop or rebuild the request's table
     KV manager            allocate_slots sees `num_computed_tokens - offset` tokens, so the
-                          block list holds what the variant keeps (tracker.manager_offset)
+                          block list holds what the variant keeps (tracker.manager_offset);
+                          a request whose layout changed never registers blocks in the prefix
+                          cache (delay_cache_blocks)
+    prefix caching        prefix_cache.PrefixCache: protected leading blocks, hashes dropped
+                          before a rewrite, every moved or released block checked private
 
 vLLM private names used here are listed in contract.py and checked by a test.
 """
@@ -20,16 +24,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from vtoken.engine.scheduler import TableFactory
 from vtoken.engine.vllm.metrics import EngineMetrics
 from vtoken.engine.vllm.plan import PLAN_ATTRIBUTE, SCORES_ATTRIBUTE
+from vtoken.engine.vllm.prefix_cache import PrefixCache
 from vtoken.engine.vllm.settings import CONFIG_KEY, VllmSettings, settings_from_additional_config
 from vtoken.engine.vllm.support import check_supported
 from vtoken.engine.vllm.tracker import VTokenTracker
-from vtoken.errors import ConfigError
+from vtoken.errors import ConfigError, InvariantError
 from vtoken.kv.token_table import TokenTable
 
 
@@ -72,6 +79,8 @@ class VTokenScheduler(Scheduler):
 
         def allocate_slots(request: Request, *args, **kwargs):
             offset = self.vtoken.manager_offset(request.request_id)
+            if not self.vtoken.is_cacheable(request.request_id):
+                kwargs["delay_cache_blocks"] = True  # its blocks no longer hold their logical tokens
             return stock_allocate_slots(_ShiftedRequest(request, offset) if offset else request, *args, **kwargs)
 
         self.kv_cache_manager.allocate_slots = allocate_slots
@@ -79,8 +88,18 @@ class VTokenScheduler(Scheduler):
     def _make_tracker(self) -> VTokenTracker:
         model_config = self.vllm_config.model_config
         num_heads_layers = model_config.hf_text_config.num_attention_heads * model_config.get_total_num_hidden_layers()
-        return VTokenTracker(self.vtoken_settings, self.kv_cache_manager.block_pool.num_gpu_blocks,
-                             self.block_size, num_heads_layers, table_factory=self._vtoken_table_factory)
+        num_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks
+        self.vtoken_prefix_cache = None
+        num_ledger_blocks = None
+        if self.kv_cache_manager.enable_caching:
+            self.vtoken_prefix_cache = PrefixCache(self.kv_cache_manager, self.vtoken_settings.prefix_protection,
+                                                   lambda req_id: self.requests[req_id].num_prompt_tokens)
+            # a shared block is in each sharer's table: room for every running request at full length
+            max_blocks_per_request = -(-model_config.max_model_len // self.block_size)
+            num_ledger_blocks = num_blocks + self.scheduler_config.max_num_seqs * max_blocks_per_request
+        return VTokenTracker(self.vtoken_settings, num_blocks, self.block_size, num_heads_layers,
+                             table_factory=self._vtoken_table_factory, prefix_cache=self.vtoken_prefix_cache,
+                             num_ledger_blocks=num_ledger_blocks)
 
     def reconfigure(self, settings: VllmSettings, table_factory: TableFactory | None = None) -> None:
         """Switch variant, policy or reclaim settings between runs (no request in the engine).
@@ -111,12 +130,28 @@ class VTokenScheduler(Scheduler):
         output = super().schedule(*args, **kwargs)
         scheduled = list(output.num_scheduled_tokens)
         for req_id, num_new_tokens in output.num_scheduled_tokens.items():
+            num_cached = 0  # a prefix-cache hit: computed tokens at the request's first step
+            if req_id not in self.vtoken.requests:
+                num_cached = self.requests[req_id].num_computed_tokens - num_new_tokens
             block_ids = None
-            if self.vtoken.num_new_blocks_needed(req_id, num_new_tokens):
+            if self.vtoken.num_new_blocks_needed(req_id, num_cached + num_new_tokens):
                 block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-            self.vtoken.sync(req_id, num_new_tokens, block_ids)
-        setattr(output, PLAN_ATTRIBUTE, self.vtoken.take_step_plan(scheduled))
+            self.vtoken.sync(req_id, num_new_tokens, block_ids, num_cached)
+        plan = self.vtoken.take_step_plan(scheduled)
+        if self.vtoken_prefix_cache is not None and plan.num_moves:
+            self._check_private(np.concatenate([plan.src_slots, plan.dst_slots]) // self.block_size,
+                                "is read or written by a token move")
+        setattr(output, PLAN_ATTRIBUTE, plan)
         return output
+
+    def _check_private(self, vllm_block_ids, what: str) -> None:
+        """I2 with prefix caching: the block is this request's alone and in no hash map."""
+        try:
+            self.vtoken_prefix_cache.check_private(vllm_block_ids, what, hashed_ok=False)
+        except InvariantError:
+            self.vtoken.counters = self.vtoken.counters.plus(invariant_violations=1)
+            self.vtoken_metrics.observe(self.vtoken.stats(self._num_allocated_blocks()))
+            raise
 
     def update_from_output(self, scheduler_output, model_runner_output):
         self.vtoken.complete_moves()
@@ -153,6 +188,8 @@ class VTokenScheduler(Scheduler):
             if num_keep >= len(blocks):
                 continue
             released = blocks[num_keep:]
+            if self.vtoken_prefix_cache is not None:
+                self._check_private(np.array([b.block_id for b in released]), "is handed back to the pool")
             del blocks[num_keep:]
             self.kv_cache_manager.block_pool.free_blocks(reversed(released))
             self.vtoken.blocks_released(req_id, num_keep, len(released))

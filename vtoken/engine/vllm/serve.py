@@ -7,7 +7,7 @@
         --scheduler-cls vtoken.engine.vllm.scheduler.VTokenScheduler \
         --worker-cls vtoken.engine.vllm.worker.VTokenWorker \
         --additional-config '{"vtoken": {...}}' \
-        --block-size 32 --no-enable-prefix-caching --no-async-scheduling --enforce-eager ...
+        --block-size 32 --no-async-scheduling --enforce-eager ...
 
 The scheduler and worker flags are what the plugin (plugin.py) would set from
 `--additional-config` alone; they stay so that the line also works where vtoken is importable
@@ -75,7 +75,7 @@ def serve_command(options: ServeOptions, python: str = sys.executable) -> list[s
             "--additional-config", json.dumps({CONFIG_KEY: options.settings.to_dict()}),
             "--block-size", str(options.block_size), "--dtype", options.dtype]
     if evicting:
-        argv += ["--no-enable-prefix-caching", "--no-async-scheduling", "--enforce-eager"]
+        argv += ["--no-async-scheduling", "--enforce-eager"]  # prefix caching stays on: prefix_cache.py
     optional = {"--kv-cache-memory-bytes": options.kv_cache_memory_bytes,
                 "--num-gpu-blocks-override": options.num_gpu_blocks, "--max-model-len": options.max_model_len,
                 "--max-num-seqs": options.max_num_seqs, "--served-model-name": options.served_model_name}

@@ -5,9 +5,12 @@ every process), so both sides build identical settings from it:
 
     {"variant": "vtoken", "policy": "streaming_llm", "budget": "50%", "num_sink_tokens": 4,
      "num_recent_tokens": 64, "interval_tokens": 32, "reclaim_mode": "hole-fill",
-     "theta_f": 0.25, "check_interval_steps": 1, "seed": 0, "check_invariants": false}
+     "theta_f": 0.25, "check_interval_steps": 1, "seed": 0, "check_invariants": false,
+     "prefix_protection": "prompt"}
 
 Every key is optional; `variant` defaults to "vtoken" and the rest to the sim's defaults.
+`prefix_protection` matters only with vLLM's prefix caching on (prefix_cache.py): which leading
+blocks of a request are never evicted from, relocated or rewritten.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from vtoken.policies.base import Budget
 CONFIG_KEY = "vtoken"
 _KNOWN_KEYS = frozenset({
     "variant", "policy", "budget", "num_sink_tokens", "num_recent_tokens", "interval_tokens",
-    "reclaim_mode", "theta_f", "check_interval_steps", "seed", "check_invariants",
+    "reclaim_mode", "theta_f", "check_interval_steps", "seed", "check_invariants", "prefix_protection",
 })
+PREFIX_PROTECTIONS = ("prompt", "shared")  # prefix_cache.py
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,15 @@ class VllmSettings(VariantRole):
         default_factory=lambda: ReclaimConfig(check_interval_steps=defaults.VLLM_RECLAIM_INTERVAL_STEPS))
     seed: int = defaults.SEED
     check_invariants: bool = False  # I1 (ids) and I2 after every eviction; slow, for tests
+    prefix_protection: str = PREFIX_PROTECTIONS[0]
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ConfigError(f"additional_config.vtoken.variant: unknown variant '{self.variant}'; "
                               f"choose one of: {', '.join(VARIANTS)}")
+        if self.prefix_protection not in PREFIX_PROTECTIONS:
+            raise ConfigError(f"additional_config.vtoken.prefix_protection: unknown value '{self.prefix_protection}'; "
+                              f"choose one of: {', '.join(PREFIX_PROTECTIONS)}")
 
     def to_dict(self) -> dict[str, Any]:
         """The `additional_config["vtoken"]` dictionary that builds these settings again."""
@@ -66,6 +74,7 @@ class VllmSettings(VariantRole):
             "check_interval_steps": self.reclaim.check_interval_steps,
             "seed": self.seed,
             "check_invariants": self.check_invariants,
+            "prefix_protection": self.prefix_protection,
         }
 
 
@@ -89,7 +98,8 @@ def settings_from_additional_config(additional_config: Mapping[str, Any] | None)
         check_interval_steps=_int(raw, "check_interval_steps", defaults.VLLM_RECLAIM_INTERVAL_STEPS),
     )
     return VllmSettings(str(raw.get("variant", defaults.VARIANT)), eviction, reclaim, _int(raw, "seed", defaults.SEED),
-                        bool(raw.get("check_invariants", False)))
+                        bool(raw.get("check_invariants", False)),
+                        str(raw.get("prefix_protection", PREFIX_PROTECTIONS[0])))
 
 
 def _budget(raw: Mapping[str, Any]) -> Budget:

@@ -21,10 +21,7 @@ def config_problems(vllm_config) -> list[str]:
     settings = settings_from_additional_config(vllm_config.additional_config)
     if not settings.evicts:
         return []
-    problems = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("prefix caching is on (pass --no-enable-prefix-caching / enable_prefix_caching=False): "
-                        "an evicted token's block could be shared by another request")
+    problems = []  # prefix caching is handled (prefix_cache.py)
     if vllm_config.scheduler_config.async_scheduling:
         problems.append("async scheduling is on (pass --no-async-scheduling / async_scheduling=False): "
                         "the next step would be scheduled before this step's eviction")

@@ -24,11 +24,16 @@ Variants differ only in how many blocks a request keeps once its moves have land
 KV-manager lengths: vLLM sizes a request's block list from `num_computed_tokens`. The tracker
 gives each request a `manager_offset` so that the manager sees `num_computed - offset` tokens:
 the dead count for vtoken (live tokens only), whole dead naive blocks for naive-evict.
+
+With vLLM's prefix caching on, a `PrefixCacheView` (prefix_cache.py) says which leading blocks
+to protect before each eviction and drops the hashes of the blocks the request is about to
+rewrite; a request whose layout changed is no longer `is_cacheable`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -66,6 +71,16 @@ class EngineStats:
         return waste_ratio(self.num_live_tokens, self.num_allocated_blocks, self.block_size)
 
 
+class PrefixCacheView(Protocol):
+    """vLLM's prefix cache as the tracker needs it (prefix_cache.PrefixCache)."""
+
+    def num_protected_blocks(self, req_id: str, vllm_block_ids: np.ndarray) -> int:
+        """Leading blocks of the request never to evict from, move or hand back."""
+
+    def uncache(self, vllm_block_ids: np.ndarray) -> None:
+        """Drop these blocks' prefix-cache hashes: the request is about to rewrite them."""
+
+
 @dataclass
 class _Request:
     req_idx: int  # integer id for the policy (seeded draws) and the table
@@ -77,6 +92,7 @@ class _Request:
     has_moves_in_flight: bool = False
     events: list[EvictionEvent] = field(default_factory=list)
     scores: AttentionStats | None = None  # only for policies that need attention
+    is_rewritten: bool = False  # its layout changed since its blocks were computed: never cache them
 
     @property
     def num_evicted_tokens(self) -> int:
@@ -85,12 +101,17 @@ class _Request:
 
 class VTokenTracker:
     def __init__(self, settings: VllmSettings, num_blocks: int, block_size: int, num_heads_layers: int = 1,
-                 table_factory: TableFactory = TokenTable) -> None:
+                 table_factory: TableFactory = TokenTable, prefix_cache: PrefixCacheView | None = None,
+                 num_ledger_blocks: int | None = None) -> None:
+        """`num_ledger_blocks`: the ledger's size when it exceeds vLLM's pool (a block shared
+        through the prefix cache is in every sharer's table, under one ledger id each)."""
         self.settings = settings
         self.block_size = block_size
         self.num_heads_layers = num_heads_layers  # attention rows are summed over heads and layers
-        self.ledger = BlockPool(num_blocks, block_size)
-        self.vllm_id_of = np.full(num_blocks, -1, dtype=np.int64)  # ledger id -> vLLM block id
+        self.prefix_cache = prefix_cache
+        num_ledger_blocks = max(num_blocks, num_ledger_blocks or 0)
+        self.ledger = BlockPool(num_ledger_blocks, block_size)
+        self.vllm_id_of = np.full(num_ledger_blocks, -1, dtype=np.int64)  # ledger id -> vLLM block id
         self.eviction = EvictionSchedule(settings.eviction, make_policy(settings.eviction.policy, seed=settings.seed))
         self.table_factory = table_factory
         self.requests: dict[str, _Request] = {}
@@ -130,11 +151,14 @@ class VTokenTracker:
             return -(-num_new_tokens // self.block_size)
         return state.table.num_new_blocks_needed(num_new_tokens)
 
-    def sync(self, req_id: str, num_new_tokens: int, vllm_block_ids: list[int] | None) -> None:
+    def sync(self, req_id: str, num_new_tokens: int, vllm_block_ids: list[int] | None,
+             num_cached_tokens: int = 0) -> None:
         """Place the KV of `num_new_tokens` tokens the coming forward writes.
 
         `vllm_block_ids` is the request's whole vLLM block list, needed only when
         `num_new_blocks_needed` > 0: the table takes the next blocks of that list.
+        `num_cached_tokens`: at a request's first step (or its first after a preemption), the
+        tokens vLLM's prefix cache already holds for it (the first of its blocks).
         """
         state = self.requests.get(req_id)
         if state is None:
@@ -144,7 +168,11 @@ class VTokenTracker:
                 state = _Request(table.req_id, table)
             self.requests[req_id] = state
         table = state.table
-        num_needed = table.num_new_blocks_needed(num_new_tokens)
+        if num_cached_tokens and table.num_tokens:
+            raise VTokenError(f"request {req_id}: a prefix-cache hit of {num_cached_tokens} tokens after "
+                              f"{table.num_tokens} tokens were placed")
+        num_placed = num_cached_tokens + num_new_tokens
+        num_needed = table.num_new_blocks_needed(num_placed)
         ledger_ids = np.zeros(0, dtype=np.int64)
         if num_needed:
             first = table.num_blocks
@@ -154,7 +182,7 @@ class VTokenTracker:
                                   f"{len(vllm_block_ids)} and the table {first}")
             ledger_ids = self.ledger.allocate(num_needed)
             self.vllm_id_of[ledger_ids] = new_vllm_ids
-        table.sync_new_tokens(ledger_ids, table.num_tokens + num_new_tokens)
+        table.sync_new_tokens(ledger_ids, table.num_tokens + num_placed)
         self._num_synced[req_id] = self._num_synced.get(req_id, 0) + num_new_tokens
 
     @property
@@ -209,6 +237,11 @@ class VTokenTracker:
             state.scores = AttentionStats(self.num_heads_layers)
         state.scores.add(ids_by_position[: rows.shape[1]], rows)
 
+    def is_cacheable(self, req_id: str) -> bool:
+        """Whether vLLM may register the request's full blocks in its prefix cache."""
+        state = self.requests.get(req_id)
+        return state is None or not state.is_rewritten
+
     def complete_moves(self) -> None:
         """The step that carried the pending copies has run: their data has landed."""
         for state in self.requests.values():
@@ -221,15 +254,31 @@ class VTokenTracker:
             return
         if state.table.num_tokens != num_kv_tokens:
             raise VTokenError(f"request {req_id}: vLLM computed {num_kv_tokens} tokens, its table has {state.table.num_tokens}")
+        if self.prefix_cache is not None and self.eviction.is_due(state.eviction, num_output_tokens):
+            self._protect(req_id, state)
         scores = None
         if self.eviction.policy.needs_attention:
             scores = lambda token_ids, num_tokens: (state.scores or AttentionStats(self.num_heads_layers)).of(token_ids)  # noqa: E731
         event = self.eviction.decide(state.eviction, state.req_idx, state.table, num_output_tokens, scores)
+        if event is not None and event.is_resume and state.table.num_pinned_tokens:
+            # tokens lost before a preemption that a newly shared block now holds stay
+            kept = event.token_ids[event.token_ids >= state.table.num_pinned_tokens]
+            event = EvictionEvent(event.num_tokens, kept, is_resume=True) if kept.size else None
         if event is not None:
             self._evict(req_id, state, event)
 
+    def _protect(self, req_id: str, state: _Request) -> None:
+        """Pin the leading blocks the prefix cache protects (they are whole: never rewritten)."""
+        table = state.table
+        num_blocks = self.prefix_cache.num_protected_blocks(req_id, self.vllm_id_of[table.held_block_ids])
+        if num_blocks * self.block_size > table.num_pinned_tokens:
+            table.pin_prefix(num_blocks * self.block_size)
+
     def _evict(self, req_id: str, state: _Request, event: EvictionEvent) -> None:
         table = state.table
+        if self.prefix_cache is not None and not state.is_rewritten:
+            self.prefix_cache.uncache(self.vllm_id_of[table.held_block_ids[table.num_pinned_blocks:]])
+        state.is_rewritten = True
         live_before = table.live_token_ids()
         table.evict_tokens(event.token_ids)
         moves = plan_compaction(table, self.settings.reclaim.mode)
@@ -335,6 +384,14 @@ class VTokenTracker:
     def stats(self, num_allocated_blocks: int) -> EngineStats:
         num_live = sum(s.table.num_live_tokens for s in self.requests.values())
         histogram = self.ledger.utilization_histogram()
-        histogram[0] += max(0, num_allocated_blocks - self.ledger.num_allocated_blocks)
+        num_ledger_blocks = self.ledger.num_allocated_blocks
+        if self.prefix_cache is not None and len(self.requests) > 1:
+            # a block shared through the prefix cache is whole in each sharer's table: count it once
+            ids = np.concatenate([self.vllm_id_of[s.table.held_block_ids] for s in self.requests.values()])
+            num_duplicates = ids.size - np.unique(ids).size
+            num_live -= self.block_size * num_duplicates
+            histogram[-1] -= num_duplicates
+            num_ledger_blocks -= num_duplicates
+        histogram[0] += max(0, num_allocated_blocks - num_ledger_blocks)
         return EngineStats(self.settings.variant, len(self.requests), num_live, num_allocated_blocks,
                            self.block_size, self.counters, tuple(int(n) for n in histogram))
