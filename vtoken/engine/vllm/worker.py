@@ -14,7 +14,10 @@ its class is swapped for one with `VTokenRunnerMixin` in front, which adds three
    refreshed for requests that lost tokens.
 3. Attention rows for H2O-style policies, when the plan asks for them: the scoring backend
    (attention.py) fills a collector during the forward; `sample_tokens` hands the rows to the
-   scheduler on the ModelRunnerOutput.
+   scheduler on the ModelRunnerOutput. Under tensor parallelism each rank holds
+   `num_heads / tp` heads, so the rows are summed over the TP group first (an all-reduce on its
+   CPU group): the one scheduler ranks tokens on every head, and every rank applies the one
+   plan it gets in the broadcast `SchedulerOutput` to its own shard of heads.
 
 On a check run (`StepPlan.verify_copies`, CPU) it also checks, raising InvariantError:
 
@@ -157,7 +160,7 @@ class VTokenRunnerMixin:
         output = super().sample_tokens(*args, **kwargs)
         collector = self._vtoken_collector
         if collector is not None and collector.rows:
-            setattr(output, SCORES_ATTRIBUTE, collector.sums)
+            setattr(output, SCORES_ATTRIBUTE, _sum_over_tensor_parallel_ranks(collector.sums))
             collector.begin_step({})
         return output
 
@@ -336,6 +339,29 @@ class VTokenRunnerMixin:
         if self.vtoken_num_checks is None:
             self.vtoken_num_checks = Counter()
         self.vtoken_num_checks[invariant] += 1
+
+
+def _sum_over_tensor_parallel_ranks(sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each rank's attention rows (its heads) summed over the TP group; unchanged without TP.
+
+    Every rank scores the same requests with the same shapes (one SchedulerOutput), so the rows
+    are flattened in request-id order, all-reduced in one call and split again.
+    """
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return sums
+    req_ids = sorted(sums)
+    flat = torch.from_numpy(np.concatenate([np.asarray(sums[r], dtype=np.float64).ravel() for r in req_ids]))
+    torch.distributed.all_reduce(flat, group=group.cpu_group)
+    reduced, start = {}, 0
+    for req_id in req_ids:
+        shape = np.shape(sums[req_id])
+        size = int(np.prod(shape))
+        reduced[req_id] = flat[start : start + size].numpy().reshape(shape)
+        start += size
+    return reduced
 
 
 class VTokenModelRunner(VTokenRunnerMixin, _StockRunner):
