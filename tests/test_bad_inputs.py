@@ -149,6 +149,7 @@ CASES = {
     "serve-budget-form": ([*SERVE, "--budget", "0"], "--budget must be"),
     "serve-sink-tokens": ([*SERVE, "--sink-tokens", "-1"], "--sink-tokens must be >= 0"),
     "serve-theta-f": ([*SERVE, "--theta-f", "3"], "--theta-f must be in (0, 1)"),
+    "serve-prefix-protection": ([*SERVE, "--prefix-protection", "all"], "--prefix-protection: unknown value 'all'"),
     "serve-port": ([*SERVE, "--port", "0"], "--port"),
     "serve-block-size": ([*SERVE, "--block-size", "0"], "--block-size"),
     "serve-num-blocks": ([*SERVE, "--num-blocks", "0"], "--num-blocks must be > 0"),

@@ -9,7 +9,8 @@ import typer
 from vtoken import defaults
 from vtoken.engine.config import VARIANTS
 from vtoken.engine.vllm.serve import ServeOptions, run_server, serve_command, shell_line
-from vtoken.engine.vllm.settings import CONFIG_KEY, settings_from_additional_config
+from vtoken.engine.vllm.settings import CONFIG_KEY, PREFIX_PROTECTIONS, settings_from_additional_config
+from vtoken.errors import ConfigError
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     Budget, EvictionInterval, Policy, ReclaimMode, ThetaF, check_positive, check_serve_flags, resolve_policies,
@@ -26,6 +27,9 @@ def serve_command_line(
     eviction_interval: EvictionInterval = defaults.EVICTION_INTERVAL_TOKENS,
     reclaim_mode: ReclaimMode = defaults.RECLAIM_MODE,
     theta_f: ThetaF = defaults.THETA_F,
+    prefix_protection: Annotated[str, typer.Option(
+        help="With vLLM's prefix caching: 'prompt' keeps a request's full prompt blocks (a hit and a miss give "
+             "the same outputs), 'shared' only the blocks another request holds.")] = PREFIX_PROTECTIONS[0],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = defaults.SERVE_HOST,
     port: Annotated[int, typer.Option(help="Port to listen on.")] = defaults.SERVE_PORT,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block (a multiple of 32 on CPU).")] = defaults.VLLM_BLOCK_SIZE,
@@ -57,10 +61,13 @@ def serve_command_line(
                       theta_f=theta_f)
     check_positive({"--kv-cache-bytes": kv_cache_bytes, "--num-blocks": num_blocks, "--max-model-len": max_model_len,
                     "--max-num-seqs": max_num_seqs})
+    if prefix_protection not in PREFIX_PROTECTIONS:
+        raise ConfigError(f"--prefix-protection: unknown value '{prefix_protection}'; choose one of: "
+                          f"{', '.join(PREFIX_PROTECTIONS)}")
     settings = settings_from_additional_config({CONFIG_KEY: {
         "variant": variant, "policy": resolve_policies([policy])[0], "budget": budget, "num_sink_tokens": sink_tokens,
         "num_recent_tokens": recent_tokens, "interval_tokens": eviction_interval,
-        "reclaim_mode": reclaim_mode, "theta_f": theta_f,
+        "reclaim_mode": reclaim_mode, "theta_f": theta_f, "prefix_protection": prefix_protection,
     }})
     options = ServeOptions(model, settings, host, port, block_size, kv_cache_bytes, num_blocks, max_model_len,
                            max_num_seqs, dtype, extra_args=tuple(vllm_arg or ()))
