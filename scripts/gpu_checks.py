@@ -13,9 +13,19 @@ CUDA, no SmolLM2) is reported as skipped with the reason, never as passed.
                  reclaim modes) against the transformers reference with the eviction mask
 4. plugin-launch (vLLM) a plain `python -m vllm.entrypoints.openai.api_server` with
                  --additional-config '{"vtoken": ...}' (the vllm.general_plugins entry point; vtoken
-                 must be pip-installed): one completion, vtoken_* evictions at /metrics; and the same
-                 launch without --no-async-scheduling exits at start with the one `vtoken:` line
-5. speed         (vLLM + SmolLM2) benchmarks/bench_vllm.py at batch 4, fp16, block size 16
+                 must be pip-installed), prefix caching on and no PROMETHEUS_MULTIPROC_DIR: one
+                 completion, vtoken_* evictions at /metrics; and the same launch without
+                 --no-async-scheduling exits at start with the one `vtoken:` line
+5. prefix-cache  (vLLM) tiny Llama, fp16, prefix caching on: a hit after a miss gives the miss's
+                 tokens (prompt protection), a compacted prompt is never a hit (shared protection),
+                 two concurrent sharers agree; each against the reference like check 3
+6. soak          (vLLM) the vLLM tier's soak (tests/vllm_tier/soak.py) against a plain launch:
+                 24 streaming clients for 45 s, a quarter disconnecting, a 40-block pool; nothing
+                 failed or hung, vtoken_invariant_violations_total 0, the pool empty afterwards
+7. tensor-parallel (vLLM, 2 GPUs) tiny Llama at --tensor-parallel-size 2, StreamingLLM, against
+                 the reference (H2O's attention rows are collected on the CPU backend only; their
+                 reduction over the TP group is tested on two CPU ranks); skipped on one GPU
+8. speed         (vLLM + SmolLM2) benchmarks/bench_vllm.py at batch 4, fp16, block size 16
 """
 
 from __future__ import annotations
@@ -26,7 +36,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import urllib.request
@@ -146,14 +155,14 @@ def check_plugin_launch(out: Path) -> dict:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float16", "--block-size", "16", "--kv-cache-memory-bytes", str(64 << 20),
             "--max-model-len", "1024", "--additional-config", json.dumps({"vtoken": PLUGIN_SETTINGS})]
-    flags = ["--enforce-eager", "--no-enable-prefix-caching", "--no-async-scheduling"]
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"}
-    refusal_code, refusal_stderr = _run_group(argv + flags[:2], env, timeout_s=180)
+    flags = ["--enforce-eager", "--no-async-scheduling"]  # prefix caching stays on
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    refusal_code, refusal_stderr = _run_group(argv + flags[:1], env, timeout_s=180)
     refusal = [line for line in refusal_stderr.splitlines() if line.startswith("vtoken: ")]
     result = {"refusal_exit_code": refusal_code, "refusal": refusal[:1]}
-    with tempfile.TemporaryDirectory() as metrics_dir, open(out / "plugin_server.log", "wb") as log:
-        server = subprocess.Popen(argv + flags, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**env, "PROMETHEUS_MULTIPROC_DIR": metrics_dir})
+    with open(out / "plugin_server.log", "wb") as log:
+        server = subprocess.Popen(argv + flags, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             result.update(_one_completion_and_metrics(f"http://127.0.0.1:{port}", model_dir, server))
         finally:
@@ -161,6 +170,130 @@ def check_plugin_launch(out: Path) -> dict:
     result["passed"] = (refusal_code not in (0, None) and len(refusal) == 1 and "--no-async-scheduling" in refusal[0]
                         and result.get("completion_tokens") == 40 and result.get("vtoken_tokens_evicted_total", 0) > 0)
     return result
+
+
+def _tiny_reference():
+    from transformers import AutoModelForCausalLM
+
+    from vtoken.engine.vllm.tiny_model import make_tiny_llama
+
+    model_dir = str(make_tiny_llama(Path("/tmp/vtoken-gpu-tiny")))
+    return model_dir, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+
+
+def _worst_error(reference, generations) -> float:
+    import numpy as np
+
+    from vtoken.engine.vllm.reference import reference_logprobs
+
+    return max(float(np.abs(np.array(g.logprobs) - reference_logprobs(reference, g.prompt_ids, g.token_ids,
+                                                                        g.events)).max()) for g in generations)
+
+
+def check_prefix_cache() -> dict:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"vLLM not importable: {exc}"}
+    import numpy as np
+
+    from vtoken.engine.vllm.engine import EngineSpec, generate, open_llm, scheduler_of
+    from vtoken.engine.vllm.settings import settings_from_additional_config
+
+    model_dir, reference = _tiny_reference()
+    base = {"policy": "streaming_llm", "budget": 40, "num_recent_tokens": 16, "interval_tokens": 8, "theta_f": 0.01,
+            "check_invariants": True}
+    spec = EngineSpec(model_dir, block_size=16, kv_cache_memory_bytes=64 << 20, max_model_len=1024, dtype="float16",
+                      enable_prefix_caching=True)
+    rng = np.random.default_rng(7)
+    result = {}
+    with open_llm(spec, settings_from_additional_config({"vtoken": base}), record_events=True) as llm:
+        for protection in ("prompt", "shared"):
+            scheduler_of(llm).reconfigure(settings_from_additional_config({"vtoken": {**base, "prefix_protection": protection}}))
+            prompt = rng.integers(3, 500, 136).tolist()
+            miss = generate(llm, [prompt], 48)[0]
+            hit = generate(llm, [prompt], 48)[0]
+            together = generate(llm, [rng.integers(3, 500, 136).tolist()] * 2, 48)
+            result[protection] = {"cached_tokens": [miss.num_cached_tokens, hit.num_cached_tokens,
+                                                    together[1].num_cached_tokens],
+                                  "same_tokens": hit.token_ids == miss.token_ids and together[0].token_ids == together[1].token_ids,
+                                  "max_abs_logprob_error": _worst_error(reference, [miss, hit, *together]),
+                                  "violations": scheduler_of(llm).vtoken.counters.invariant_violations}
+    prompt, shared = result["prompt"], result["shared"]
+    result["passed"] = (prompt["cached_tokens"][:2] == [0, 128] and shared["cached_tokens"][:2] == [0, 0]
+                        and shared["cached_tokens"][2] == 128 and prompt["same_tokens"] and shared["same_tokens"]
+                        and all(r["max_abs_logprob_error"] < 1e-2 and r["violations"] == 0 for r in (prompt, shared)))
+    result["note"] = "fp16 against an fp32 reference: errors are fp16's (compare check 3's native)"
+    return result
+
+
+def check_soak(out: Path) -> dict:
+    try:
+        import vllm  # noqa: F401
+
+        from tests.vllm_tier.soak import Load, run_load
+        from vtoken.endpoint import scrape
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"needs vLLM and httpx: {exc}"}
+    model_dir, _ = _tiny_reference()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = {"policy": "streaming_llm", "budget": 64, "num_recent_tokens": 16, "interval_tokens": 8,
+                "theta_f": 0.01, "prefix_protection": "shared"}
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float16", "--block-size", "16", "--kv-cache-memory-bytes", str(64 << 20),
+            "--num-gpu-blocks-override", "80", "--max-model-len", "512", "--max-num-seqs", "16", "--enforce-eager",
+            "--no-async-scheduling", "--additional-config", json.dumps({"vtoken": settings})]
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    base_url = f"http://127.0.0.1:{port}"
+    with open(out / "soak_server.log", "wb") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**env, "VLLM_USE_V2_MODEL_RUNNER": "0"})
+        try:
+            started = _one_completion_and_metrics(base_url, model_dir, server)
+            if "error" in started:
+                return {"passed": False, **started}
+            tally = run_load(base_url, model_dir, Load(duration_s=45, vocab=(3, 500)))
+            deadline = time.monotonic() + 120
+            while True:
+                metrics = scrape(base_url).metrics
+                if (metrics.num_requests_running == 0 and metrics.kv_cache_usage == 0.0) or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            alive = server.poll() is None
+        finally:
+            _stop_group(server)
+    vtoken = metrics.vtoken_metrics
+    return {"passed": alive and not tally.failures and tally.num_hung == 0 and metrics.kv_cache_usage == 0.0
+            and vtoken.get("vtoken_invariant_violations_total") == 0 and tally.num_disconnected > 0,
+            "summary": tally.summary(45), "failures": tally.failures[:5], "preemptions": metrics.num_preemptions,
+            "kv_cache_usage_after": metrics.kv_cache_usage, "vtoken_metrics": vtoken}
+
+
+def check_tensor_parallel() -> dict:
+    if torch.cuda.device_count() < 2:
+        return {"skipped": f"--tensor-parallel-size 2 needs 2 GPUs, found {torch.cuda.device_count()}"}
+    from vtoken.engine.vllm.engine import EngineSpec, generate, open_llm, scheduler_of
+    from vtoken.engine.vllm.settings import settings_from_additional_config
+
+    model_dir, reference = _tiny_reference()
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (50, 70, 90)]
+    settings = settings_from_additional_config({"vtoken": {"policy": "streaming_llm", "budget": 40,
+                                                           "num_recent_tokens": 16, "interval_tokens": 8,
+                                                           "theta_f": 0.01, "check_invariants": True}})
+    spec = EngineSpec(model_dir, block_size=16, kv_cache_memory_bytes=64 << 20, max_model_len=1024, dtype="float16",
+                      extra_llm_kwargs={"tensor_parallel_size": 2})
+    with open_llm(spec, settings, record_events=True) as llm:
+        generations = generate(llm, prompts, 40)
+        counters = scheduler_of(llm).vtoken.counters
+    error = _worst_error(reference, generations)
+    return {"passed": error < 1e-2 and counters.invariant_violations == 0 and counters.tokens_moved > 0,
+            "max_abs_logprob_error": error, "tokens_moved": counters.tokens_moved}
 
 
 def _run_group(argv: list[str], env: dict, timeout_s: float) -> tuple[int | None, str]:
@@ -237,7 +370,8 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     checks = [("copy-layout", check_copy_layout), ("copy-kernel", check_copy_kernel), ("exactness", check_exactness),
-              ("plugin-launch", lambda: check_plugin_launch(args.out))]
+              ("plugin-launch", lambda: check_plugin_launch(args.out)), ("prefix-cache", check_prefix_cache),
+              ("soak", lambda: check_soak(args.out)), ("tensor-parallel", check_tensor_parallel)]
     if not args.skip_speed:
         checks.append(("speed", lambda: check_speed(args.out)))
     if not torch.cuda.is_available():

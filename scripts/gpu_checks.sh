@@ -2,7 +2,7 @@
 # GPU checks of the vLLM integration (issue 7, item 8). On a machine with a CUDA GPU, from the
 # repository root:
 #
-#     bash scripts/gpu_checks.sh [OUT_DIR]          # about 7 minutes with vLLM and SmolLM2 present
+#     bash scripts/gpu_checks.sh [OUT_DIR]          # about 10 minutes with vLLM and SmolLM2 present
 #
 # Needs torch with CUDA; checks 2-5 also need the CUDA vLLM (pip install vllm==0.32.0; the
 # integration is written against 0.32), the plugin-launch check vtoken pip-installed (pip install
@@ -16,5 +16,5 @@ mkdir -p "$OUT"
 PYTHON="${PYTHON:-$(command -v python3)}"
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 export VLLM_USE_V2_MODEL_RUNNER=0 VLLM_LOGGING_LEVEL=WARNING
-timeout 540 "$PYTHON" scripts/gpu_checks.py --out "$OUT" 2>&1 | tee "$OUT/gpu_checks.log"
+timeout 840 "$PYTHON" scripts/gpu_checks.py --out "$OUT" 2>&1 | tee "$OUT/gpu_checks.log"
 exit "${PIPESTATUS[0]}"
