@@ -24,7 +24,7 @@ def test_a_folder_resolves_to_itself_and_a_wrong_name_says_what_is_accepted(tiny
     with pytest.raises(ConfigError, match=r"--model 'smollm3': not 'smollm2-135m' and not a folder with a config.json"):
         resolve_model_dir("smollm3")
     with pytest.raises(ConfigError, match="--executor vllm needs --model: smollm2-135m or a local model folder"):
-        make_replayer("vllm", model=None).resolve(None, [])
+        make_replayer("vllm", model=None).resolve(None, [], None)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "SmolLM2-135M-Instruct"])
