@@ -6,7 +6,10 @@ frontier and repeats over seeds, returned as one plain record.
         replayer.run_many       the sim: every seed's variants and the sweep, one batch of
                                 independent replays (on the replayer's runner: local processes
                                 or Ray; identical runs reused, cached ones read back)
-        replayer.run_variants   a real engine (hf, vllm): native, naive-evict, vtoken
+        replayer.run_variants   a real engine (hf, vllm): native, naive-evict, vtoken, measured
+                                over `options.rounds` alternated rounds after `options.warmup`
+                                dropped replays of each (vtoken.rounds); the spread comes with
+                                the report's `measured`
         frontier                analysis.py, through `replayer.run`, one replay after another
 
 What the replayer does not support (hf and vllm: the sweep, the frontier, repeats) is skipped
@@ -27,7 +30,7 @@ from vtoken.engine.hf_compare import MeasuredExtras
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
 from vtoken.metrics import RunResult
-from vtoken.replay import Replayer
+from vtoken.replay import Replayer, check_sim_rounds
 from vtoken.runners import ReplayJob, ReplayProgress
 from vtoken.trace import Request, Trace, num_output_tokens
 
@@ -45,6 +48,8 @@ class CompareOptions:
     with_frontier: bool = True
     variants: tuple[str, ...] = VARIANTS  # which run, in VARIANTS' order
     concurrency: int | None = defaults.CONCURRENCY  # the headline runs' closed-loop clients; None = open loop
+    rounds: int | None = None  # a measured executor's rounds (None: the replayer's default_rounds)
+    warmup: int | None = None  # replays of each variant before the rounds, dropped (None: default_warmup)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "variants", check_variants(self.variants))
@@ -86,7 +91,8 @@ def compare(trace: Trace, experiment: Experiment, options: CompareOptions, repla
     if replayer.supports_sweep:  # the sim: independent replays, all of them in one batch
         repeats, points = _headline_and_sweep(experiment, requests, options, replayer, progress)
     else:  # a real engine runs the variants together (their outputs are compared)
-        repeats, points = [replayer.run_variants(experiment, requests, options.concurrency, progress)], []
+        repeats, points = [replayer.run_variants(experiment, requests, options.concurrency, progress, options.rounds,
+                                                 options.warmup)], []
     headline_ci = {
         variant: {key: interval([r[variant].headline()[key] for r in repeats]) for key in repeats[0][variant].headline()}
         for variant in variants
@@ -137,15 +143,23 @@ def check_variants(variants: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def supported_options(options: CompareOptions, replayer: Replayer) -> CompareOptions:
-    """`options` without what `replayer` cannot run; ConfigError for repeats it cannot make."""
+    """`options` without what `replayer` cannot run, its rounds and warm-up resolved; ConfigError
+    for repeats it cannot make, rounds the sim would repeat identically."""
     if options.repeats != 1 and not replayer.supports_repeats:
         raise ConfigError(f"--repeats applies to the sim executor; --executor {replayer.executor} runs once, "
                           f"got --repeats {options.repeats}")
     if options.variants != VARIANTS and not replayer.supports_sweep:
         raise ConfigError(f"--variants applies to the sim executor; --executor {replayer.executor} runs all three, "
                           f"got --variants {','.join(options.variants)}")
+    num_rounds = replayer.default_rounds if options.rounds is None else options.rounds
+    num_warmup = replayer.default_warmup if options.warmup is None else options.warmup
+    if num_rounds <= 0 or num_warmup < 0:
+        raise ConfigError(f"--rounds must be > 0 and --warmup >= 0, got --rounds {num_rounds} --warmup {num_warmup}")
+    if replayer.is_deterministic:
+        check_sim_rounds(num_rounds, num_warmup)
     return replace(options, with_sweep=options.with_sweep and replayer.supports_sweep,
-                   with_frontier=options.with_frontier and replayer.supports_frontier)
+                   with_frontier=options.with_frontier and replayer.supports_frontier, rounds=num_rounds,
+                   warmup=num_warmup)
 
 
 def num_progress_units(trace: Trace, options: CompareOptions, replayer: Replayer) -> int:
@@ -154,7 +168,8 @@ def num_progress_units(trace: Trace, options: CompareOptions, replayer: Replayer
     options = supported_options(options, replayer)
     num_variants = len(options.variants)
     num_tokens = num_output_tokens(trace.requests)
-    units = options.repeats * num_variants * num_tokens
+    num_replays = options.repeats * (options.rounds + options.warmup)
+    units = num_replays * num_variants * num_tokens
     if options.with_sweep:
         units += len(options.sweep_concurrencies) * num_variants * num_tokens
     if options.with_frontier:

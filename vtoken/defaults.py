@@ -61,6 +61,10 @@ EXECUTOR = "sim"  # the cost model: no model weights, any trace length
 TRACE_FORMAT = "auto"  # detected from the file (vtoken.trace.detect_format)
 SEED = 0
 REPEATS = 1
+# A real engine's (hf, vllm) measurement: rounds that alternate the variants, after warm-up
+# replays of every variant whose figures are dropped (vtoken.rounds). The sim takes 1 and 0.
+MEASURED_ROUNDS = 3
+MEASURED_WARMUP = 1
 # In sample_traces/: what `audit` and `check-invariants --executor vllm` replay when given no trace.
 SAMPLE_TRACE = "azure_conv_sample.csv"
 SCRAPE_TIMEOUT_S = 5.0  # how long reading a server's /metrics and /v1/models may take

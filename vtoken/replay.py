@@ -5,7 +5,9 @@
                                                      the experiment with the block budget (None:
                                                      the executor's default) and the model
                                                      geometry, once
-    replayer.run_variants(experiment, requests, concurrency, progress)  {variant: RunResult}
+    replayer.run_variants(experiment, requests, concurrency, progress, num_rounds, num_warmup)
+                                                     {variant: RunResult} (a real engine: warm-up
+                                                     dropped, rounds alternated, vtoken.rounds)
     replayer.run(run, requests)                      one replay (sim: the frontier)
     replayer.run_many(jobs, on_done, on_tokens)      independent replays at once (sim: the headline
                                                      runs, the sweep and repeats), on its runner;
@@ -13,6 +15,9 @@
     replayer.measured                                what a real engine measured beyond the
                                                      results (MeasuredExtras), after run_variants
     replayer.supports_sweep / supports_frontier / supports_repeats
+    replayer.is_deterministic                        the sim: the same replay gives the same result
+    replayer.default_rounds / default_warmup         sim: 1 and 0 (deterministic); hf, vllm:
+                                                     defaults.MEASURED_ROUNDS, MEASURED_WARMUP
 
 The sim replays every distinct run once: `run` keys each replay by its full `Run` (experiment
 and run spec) and its requests, so the headline runs that repeat a sweep point (same variant, same concurrency)
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from vtoken import defaults
 from vtoken.engine import VARIANTS, Experiment, Run
-from vtoken.engine.hf_compare import MeasuredExtras, hf_num_blocks, speed_from_results
+from vtoken.engine.hf_compare import MeasuredExtras, hf_num_blocks, measured_extras, speed_from_results
 from vtoken.errors import ConfigError
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.metrics import RunResult
@@ -53,6 +58,9 @@ class Replayer(Protocol):
     supports_sweep: ClassVar[bool]
     supports_frontier: ClassVar[bool]
     supports_repeats: ClassVar[bool]
+    is_deterministic: ClassVar[bool]
+    default_rounds: ClassVar[int]
+    default_warmup: ClassVar[int]
     measured: MeasuredExtras | None
 
     def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
@@ -61,8 +69,10 @@ class Replayer(Protocol):
         the executor's default for None, which may size it for `concurrency` clients)."""
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
-                     progress: Progress | None = None) -> dict[str, RunResult]:
-        """The three variants on the same requests, same seed, same eviction decisions."""
+                     progress: Progress | None = None, num_rounds: int = 1, num_warmup: int = 0) -> dict[str, RunResult]:
+        """The three variants on the same requests, same seed, same eviction decisions; a real
+        engine replays each `num_warmup` times (dropped), then `num_rounds` alternated rounds,
+        and `measured` holds every figure's spread over them."""
 
     def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
         """One replay of `run` (the frontier's)."""
@@ -83,6 +93,8 @@ class SimReplayer:
 
     executor = "sim"
     supports_sweep = supports_frontier = supports_repeats = True
+    is_deterministic = True
+    default_rounds, default_warmup = 1, 0  # every round would give the same figures
 
     def __init__(self, model: object | None = None, on_status: Callable[[str], None] | None = None,
                  gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, *, runner: Runner | None = None,
@@ -100,7 +112,9 @@ class SimReplayer:
         return replace(experiment, num_blocks=num_blocks)
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
-                     progress: Progress | None = None, variants: Sequence[str] = VARIANTS) -> dict[str, RunResult]:
+                     progress: Progress | None = None, num_rounds: int = 1, num_warmup: int = 0,
+                     variants: Sequence[str] = VARIANTS) -> dict[str, RunResult]:
+        check_sim_rounds(num_rounds, num_warmup)
         jobs = [ReplayJob(experiment.run(v, concurrency), tuple(requests)) for v in variants]
         tracker = ReplayProgress(progress, jobs, variants.__getitem__) if progress else None
         return dict(zip(variants, self.run_many(jobs, *(tracker.on_done, tracker.on_tokens) if tracker else ())))
@@ -159,6 +173,8 @@ class HFReplayer:
 
     executor = "hf"
     supports_sweep = supports_frontier = supports_repeats = False
+    is_deterministic = False
+    default_rounds, default_warmup = defaults.MEASURED_ROUNDS, defaults.MEASURED_WARMUP
 
     def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
                  gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, *, runner: Runner | None = None,
@@ -175,10 +191,12 @@ class HFReplayer:
         return replace(experiment, num_blocks=num_blocks or hf_num_blocks(experiment, requests, concurrency, model))
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
-                     progress: Progress | None = None) -> dict[str, RunResult]:
+                     progress: Progress | None = None, num_rounds: int = defaults.MEASURED_ROUNDS,
+                     num_warmup: int = defaults.MEASURED_WARMUP) -> dict[str, RunResult]:
         from vtoken.engine.hf_compare import compare_on_model
 
-        runs, self.measured = compare_on_model(experiment, requests, concurrency, self._loaded(), progress)
+        runs, self.measured = compare_on_model(experiment, requests, concurrency, self._loaded(), progress, num_rounds,
+                                               num_warmup)
         return runs
 
     def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
@@ -209,6 +227,8 @@ class VllmReplayer:
 
     executor = "vllm"
     supports_sweep = supports_frontier = supports_repeats = False
+    is_deterministic = False
+    default_rounds, default_warmup = defaults.MEASURED_ROUNDS, defaults.MEASURED_WARMUP
 
     def __init__(self, model: object, on_status: Callable[[str], None] | None = None,
                  gpu_mem_util: float = defaults.GPU_MEMORY_UTILIZATION, max_model_len: int = 2048, *, runner: Runner | None = None,
@@ -231,14 +251,17 @@ class VllmReplayer:
         return replace(experiment, model=spec, num_blocks=num_blocks)
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
-                     progress: Progress | None = None) -> dict[str, RunResult]:
+                     progress: Progress | None = None, num_rounds: int = defaults.MEASURED_ROUNDS,
+                     num_warmup: int = defaults.MEASURED_WARMUP) -> dict[str, RunResult]:
         from vtoken.engine.vllm.run import engine_spec_for, run_variants_on_vllm
 
         folder = self._folder()
         spec = engine_spec_for(experiment, concurrency, str(folder), self.max_model_len)
-        runs = run_variants_on_vllm(experiment, requests, concurrency, spec, progress)
-        self.measured = MeasuredExtras("vllm", folder.name, experiment.num_blocks, (), speed_from_results(runs), {}, None)
-        return runs
+        rounds = run_variants_on_vllm(experiment, requests, concurrency, spec, progress, num_rounds, num_warmup)
+        speeds = [speed_from_results({v: results[r] for v, results in rounds.results.items()})
+                  for r in range(num_rounds)]
+        self.measured = measured_extras("vllm", folder.name, experiment.num_blocks, rounds, speeds=speeds)
+        return {v: rounds.results[v][idx] for v, idx in self.measured.shown_round.items()}
 
     def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
         raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
@@ -271,6 +294,14 @@ def make_replayer(name: str, *, model: object | None = None, on_status: Callable
     if name not in REPLAYERS:
         raise ConfigError(f"unknown executor '{name}'; choose one of: {', '.join(REPLAYERS)}")
     return REPLAYERS[name](model, on_status, gpu_mem_util=gpu_mem_util, runner=runner, cache=cache)
+
+
+def check_sim_rounds(num_rounds: int, num_warmup: int) -> None:
+    """The sim is deterministic: one round, no warm-up (`--repeats` varies the seed instead)."""
+    if num_rounds != 1 or num_warmup != 0:
+        raise ConfigError(f"--rounds and --warmup apply to measured executors (hf, vllm); the sim is deterministic "
+                          f"(every round gives the same figures; --repeats varies the seed), got --rounds {num_rounds} "
+                          f"--warmup {num_warmup}")
 
 
 def require_vllm() -> None:

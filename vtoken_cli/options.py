@@ -62,6 +62,13 @@ Tokenizer = Annotated[Optional[str], typer.Option(
 Executor = Annotated[str, typer.Option(
     help=f"Executor: {', '.join(EXECUTORS)}. sim: the cost model, no model weights; hf: a real transformers model "
          "on CPU, measured (short traces); vllm: in-process vLLM engines (needs vLLM and --model FOLDER).")]
+Rounds = Annotated[Optional[int], typer.Option(
+    help=f"Measured executors (hf, vllm): rounds that alternate the variants (rotated each round); figures are the "
+         f"median-throughput round's, with min-max over rounds. Default: {defaults.MEASURED_ROUNDS} (the sim: 1, it "
+         "is deterministic).")]
+Warmup = Annotated[Optional[int], typer.Option(
+    help=f"Measured executors: replays of every variant before the rounds, dropped. Default: "
+         f"{defaults.MEASURED_WARMUP} (the sim: 0).")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 Output = Annotated[Optional[Path], typer.Option(help="Write the report's JSON, CSV tables and plots into this directory.")]
 Force = Annotated[bool, typer.Option(help="Replace a non-empty --output directory.")]

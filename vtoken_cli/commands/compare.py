@@ -24,9 +24,9 @@ from vtoken.trace import load_trace, within_context
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut,
-    MaxRequests, Model, NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit,
-    Tokenizer, TraceFormat, Variants, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency,
-    parse_int_list, parse_variants,
+    MaxRequests, Model, NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Rounds, Seed, ThetaF, TimeUnit,
+    Tokenizer, TraceFormat, Variants, Warmup, Workers, build_cache, build_experiment, build_tokenizer,
+    check_concurrency, parse_int_list, parse_variants,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -55,6 +55,8 @@ def compare_command(
     executor: Executor = defaults.EXECUTOR,
     seed: Seed = defaults.SEED,
     repeats: Annotated[int, typer.Option(help="Seeds seed..seed+N-1; headline figures get a 95% CI.")] = defaults.REPEATS,
+    rounds: Rounds = None,
+    warmup: Warmup = None,
     trace_format: TraceFormat = defaults.TRACE_FORMAT,
     time_unit: TimeUnit = None,
     max_requests: MaxRequests = None,
@@ -115,7 +117,7 @@ def compare_command(
     )
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
                              sla_ref_concurrency, repeats, sweep, frontier, parse_variants(variants),
-                             concurrency=None if open_loop else concurrency)
+                             concurrency=None if open_loop else concurrency, rounds=rounds, warmup=warmup)
     loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
                                        tokenizer=build_tokenizer(tokenizer)), experiment.model.max_model_len)
     with progress_bar(stderr, 22, "compare") as bar:

@@ -17,6 +17,7 @@ from rich.text import Text
 from vtoken.analysis import Frontier
 from vtoken.compare import CompareReport
 from vtoken.hardware import GiB
+from vtoken.rounds import RoundsRecord, Spread, run_figures
 from vtoken_cli.render.common import WideOrNarrow, definitions_table, fields_panel, figure_table, histograms, titled
 
 DEFINITIONS = (
@@ -56,20 +57,60 @@ def summary_tables(report: CompareReport) -> Group:
             f"{r.tokens_moved:,}", f"{r.blocks_reclaimed:,}",
         ]
         speed[name] = [
-            _with_ci(report, name, "throughput_tok_s", "{:.0f}"), f"{r.latency.p50_s:.2f}",
-            _with_ci(report, name, "latency_p95_s", "{:.2f}"), f"{r.latency.p99_s:.2f}", f"{r.ttft.p95_s:.3f}",
-            f"{1000 * r.tpot.p95_s:.1f}", f"{r.preemptions:,}",
+            _with_ci(report, name, "throughput_tok_s", "{:.0f}"), _with_spread(report, name, "latency_p50_s", "{:.2f}"),
+            _with_ci(report, name, "latency_p95_s", "{:.2f}"), _with_spread(report, name, "latency_p99_s", "{:.2f}"),
+            _with_spread(report, name, "ttft_p95_s", "{:.3f}"), _with_spread(report, name, "tpot_p95_s", "{:.1f}", 1000),
+            f"{r.preemptions:,}",
         ]
     return Group(variant_table("Memory (same trace, same eviction decisions)", MEMORY_COLUMNS, memory),
-                 variant_table("Performance (latencies end-to-end unless named)", SPEED_COLUMNS, speed))
+                 variant_table("Performance (latencies end-to-end unless named)", SPEED_COLUMNS, speed,
+                               spread_caption(report)))
 
 
 def _with_ci(report: CompareReport, variant: str, key: str, fmt: str) -> str:
-    text = fmt.format(report.runs[variant].headline()[key])
-    if report.options.repeats > 1:
-        ci = report.headline_ci[variant][key]
-        text += " ±" + fmt.format((ci.high - ci.low) / 2)
-    return text
+    """A headline figure; with repeats, ± half its 95% CI; measured over rounds, [min-max]."""
+    if report.options.repeats <= 1:
+        return _with_spread(report, variant, key, fmt)
+    ci = report.headline_ci[variant][key]
+    return fmt.format(report.runs[variant].headline()[key]) + " ±" + fmt.format((ci.high - ci.low) / 2)
+
+
+def _with_spread(report: CompareReport, variant: str, key: str, fmt: str, scale: float = 1.0) -> str:
+    """`report.runs[variant]`'s figure `key` x `scale`, and where it was measured over several
+    rounds its [min-max] over them."""
+    measured = report.measured
+    spread = measured.spread[variant][key] if measured is not None and measured.spread else None
+    return value_with_range(run_figures(report.runs[variant])[key], spread, fmt, scale)
+
+
+def value_with_range(value: float, spread: Spread | None, fmt: str, scale: float = 1.0) -> str:
+    """`value [min-max]` of a figure measured over rounds (the value alone for one round)."""
+    text = fmt.format(scale * value)
+    if spread is None or len(spread.values) <= 1:
+        return text
+    return f"{text} [{fmt.format(scale * spread.min)}-{fmt.format(scale * spread.max)}]"
+
+
+def spread_caption(report: CompareReport) -> str | None:
+    """What the figures of a measurement over rounds are."""
+    measured = report.measured
+    if measured is None or measured.rounds is None or measured.rounds.num_rounds <= 1:
+        return None
+    return (f"each variant's round of median throughput; [min-max] over {measured.rounds.num_rounds} rounds "
+            f"(after {rounds_warmup_phrase(measured.rounds)})")
+
+
+def rounds_warmup_phrase(rounds: RoundsRecord) -> str:
+    if rounds.num_warmup == 0:
+        return "no warm-up"
+    return f"{rounds.num_warmup} warm-up replay{'s' if rounds.num_warmup > 1 else ''} of each variant, dropped"
+
+
+def rounds_phrase(rounds: RoundsRecord) -> str:
+    """The header's line: rounds, warm-up, the order the variants ran in."""
+    order = "; ".join(", ".join(variants) for variants in rounds.order)
+    return (f"{rounds.num_rounds} round{'s' if rounds.num_rounds > 1 else ''} after {rounds_warmup_phrase(rounds)}; "
+            f"order: {order}")
 
 
 def utilization_histograms(report: CompareReport) -> Group:
@@ -208,22 +249,35 @@ def hf_report(report: CompareReport, explain: bool) -> Group:
     hf = report.measured
     cfg = report.experiment
     rows = header_rows(report, f"{hf.model} ({hf.engine}, {cfg.model.kv_bytes_per_token:,} KV bytes/token)")
+    if hf.rounds is not None:
+        rows.append(("rounds", rounds_phrase(hf.rounds)))
     if hf.naive_vs_vtoken is not None:
         a = hf.naive_vs_vtoken
         rows.append(("agreement", f"naive-evict vs vtoken (same eviction decisions): identical tokens in "
                      f"{a.num_identical}/{a.num_requests} requests, max |Δ logprob| {a.max_abs_logprob_diff:.2e}"))
+    if hf.naive_evict_speed:
+        rows.append(("naive-evict", hf.naive_evict_speed))
     measured = {}
     for name, run in report.runs.items():
         speed, quality = hf.speed[name], hf.quality.get(name)
         measured[name] = [
             f"{run.waste_ratio:.3f}", f"{run.peak_allocated_blocks:,}", f"{100 * run.memory_utilization:.1f}%",
-            f"{speed.tok_s:.1f}", f"{1000 * speed.per_token_latency_s:.1f}", f"{speed.ratio_to_native:.2f}",
-            f"{speed.engine_wall_s:.1f}", f"{quality.rouge_l_f1:.3f}" if quality else "-",
-            f"{quality.length_ratio:.2f}" if quality else "-",
+            _speed_text(hf, name, "tok_s", "{:.1f}"), _speed_text(hf, name, "per_token_latency_s", "{:.1f}", 1000),
+            _speed_text(hf, name, "ratio_to_native", "{:.2f}"), _speed_text(hf, name, "engine_wall_s", "{:.1f}"),
+            f"{quality.rouge_l_f1:.3f}" if quality else "-", f"{quality.length_ratio:.2f}" if quality else "-",
         ]
+    caption = spread_caption(report)
+    if hf.naive_evict_speed:
+        caption = (f"{caption}; " if caption else "") + "naive-evict's speed here is not Naive-Evict's (see above)"
     parts = [fields_panel(rows, f"vtoken compare ({report.executor} executor)"),
-             variant_table("Measured on the model (memory | speed | quality vs native)", HF_COLUMNS, measured),
+             variant_table("Measured on the model (memory | speed | quality vs native)", HF_COLUMNS, measured, caption),
              summary_tables(report), utilization_histograms(report)]
     if explain:
         parts.append(definitions_table(DEFINITIONS, "Definitions"))
     return Group(*parts)
+
+
+def _speed_text(measured, variant: str, key: str, fmt: str, scale: float = 1.0) -> str:
+    """A measured speed figure of the shown round, with its [min-max] over the rounds."""
+    spread = measured.spread[variant][key] if measured.spread else None
+    return value_with_range(getattr(measured.speed[variant], key), spread, fmt, scale)

@@ -1,12 +1,16 @@
-"""Replay a trace on vLLM, once per variant, and report it like the sim does (`RunResult`).
+"""Replay a trace on vLLM, per variant over rounds, and report it like the sim does (`RunResult`).
 
-    run_variants_on_vllm(experiment, requests, concurrency, spec)  -> {variant: RunResult}
+    run_variants_on_vllm(experiment, requests, concurrency, spec, progress, num_rounds, num_warmup)
+                                                  -> Rounds[RunResult] (vtoken.rounds)
     replay(llm, run, requests)                    one run (variant, concurrency) on a built engine
 
 `vtoken compare --executor vllm` reaches these through `vtoken.replay.VllmReplayer`;
 `check-invariants --executor vllm` through `vtoken.checker.vllm` (one engine, every check on).
 
-One in-process engine per variant, built, replayed and shut down in turn. The replay is closed
+One in-process engine for the whole measurement: between replays the scheduler is reconfigured
+for the next variant (`VTokenScheduler.reconfigure`; the model runner only applies plans), so
+every variant runs on the same engine, warmed up alike. Each variant is replayed `num_warmup`
+times first (dropped), then `num_rounds` rounds alternate the variants. The replay is closed
 loop at the run's concurrency: each client submits its next request when the previous one
 finished. Prompts are random token ids seeded by (seed, request index), of the trace's prompt
 length; generation is greedy for exactly the trace's output length (EOS ignored). Times are
@@ -31,6 +35,7 @@ from vtoken.engine.vllm.engine import EngineSpec, open_llm, scheduler_of
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import ConfigError
 from vtoken.metrics import MemorySample, Recorder, RunResult
+from vtoken.rounds import Rounds, run_rounds
 from vtoken.trace import Request
 
 Progress = Callable[[str, int], None]
@@ -131,14 +136,17 @@ def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], 
 
 
 def run_variants_on_vllm(experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
-                         spec: EngineSpec, progress: Progress | None = None) -> dict[str, RunResult]:
-    """One engine per variant, built and shut down in turn (one engine in memory at a time)."""
-    runs = {}
-    for variant in VARIANTS:
-        with open_llm(spec, settings_for(experiment, variant)) as llm:
-            on_done = (lambda n, v=variant: progress(f"{v} (vllm)", n)) if progress else None
-            runs[variant] = replay(llm, experiment.run(variant, concurrency), requests, on_done)
-    return runs
+                         spec: EngineSpec, progress: Progress | None = None, num_rounds: int = 1,
+                         num_warmup: int = 0) -> Rounds:
+    """The three variants on one engine: `num_warmup` dropped replays of each, then `num_rounds`
+    rounds, the variants rotated each round (vtoken.rounds)."""
+    with open_llm(spec, settings_for(experiment, VARIANTS[0])) as llm:
+        def replay_one(variant: str, round_idx: int | None) -> RunResult:
+            stage = f"{variant} (vllm, {'warm-up' if round_idx is None else f'round {round_idx + 1}'})"
+            on_done = (lambda n: progress(stage, n)) if progress else None
+            return replay(llm, experiment.run(variant, concurrency), requests, on_done)
+
+        return run_rounds(VARIANTS, replay_one, num_rounds, num_warmup)
 
 
 def engine_spec_for(experiment: Experiment, concurrency: int | None, model: str,
