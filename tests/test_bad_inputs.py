@@ -23,6 +23,7 @@ DATA = Path(__file__).parent / "data"
 HOME = str(Path("~").expanduser())
 runner = CliRunner()
 
+BENCH = json.loads((DATA / "vllm-0.32-bench-serve.json").read_text())
 REQUEST = '{{"request_id": "{id}", "timestamp": {t}, "input_length": {n}, "output_length": 10}}'
 SCRATCH_FILES = {
     "notes.txt": "the user's own file\n",
@@ -37,6 +38,15 @@ SCRATCH_FILES = {
     "deploy.toml": (DATA / "audit_small.toml").read_text(),
     "low-budget.toml": (DATA / "audit_small.toml").read_text().replace('budget = "50%"', 'budget = "10"'),
     "bad-policy.toml": (DATA / "audit_small.toml").read_text().replace('"streaming_llm"', '"lru"'),
+    # vllm bench serve results (vtoken.vllm_bench): without --save-detailed, broken lists, appended
+    "bench-summary.json": json.dumps({k: v for k, v in BENCH.items() if k not in ("input_lens", "output_lens", "ttfts",
+                                                                                 "itls", "start_times", "errors")}),
+    "bench-uneven.json": json.dumps({**BENCH, "ttfts": BENCH["ttfts"][:-1]}),
+    "bench-bad-length.json": json.dumps({**BENCH, "input_lens": [-3, *BENCH["input_lens"][1:]]}),
+    "bench-bad-itls.json": json.dumps({**BENCH, "itls": [["x"], *BENCH["itls"][1:]]}),
+    "bench-all-failed.json": json.dumps({**BENCH, "output_lens": [0] * len(BENCH["output_lens"])}),
+    "bench-appended.json": json.dumps(BENCH) + "\n" + json.dumps(BENCH),
+    "bench-truncated.json": json.dumps(BENCH)[:500],
 }
 
 FAST_COMPARE = ["--max-requests", "3", "--no-sweep", "--no-frontier"]
@@ -96,6 +106,27 @@ CASES = {
     "compare-empty-trace": (["compare", "empty.jsonl", *FAST_COMPARE], "empty.jsonl"),
     "compare-missing-trace": (["compare", "missing.jsonl", *FAST_COMPARE], "missing.jsonl: trace file not found"),
     "compare-a-directory-as-trace": (["compare", "mine", *FAST_COMPARE], "mine"),
+    "compare-bench-not-detailed": (["compare", "bench-summary.json", *FAST_COMPARE],
+                                   "bench-summary.json: a vllm bench serve result without its per-request fields"),
+    "compare-bench-uneven": (["compare", "bench-uneven.json", *FAST_COMPARE],
+                             "bench-uneven.json: per-request lists of different lengths: input_lens 24, ttfts 23"),
+    "compare-bench-bad-length": (["compare", "bench-bad-length.json", *FAST_COMPARE],
+                                 "bench-bad-length.json: input_lens[0] must be an integer >= 1, got -3"),
+    "compare-bench-bad-itls": (["compare", "bench-bad-itls.json", *FAST_COMPARE],
+                               "bench-bad-itls.json: itls[0] must be a list of seconds >= 0"),
+    "compare-bench-all-failed": (["compare", "bench-all-failed.json", *FAST_COMPARE],
+                                 "bench-all-failed.json: no request of the benchmark succeeded (24 failed)"),
+    "compare-bench-appended": (["compare", "bench-appended.json", "--format", "vllm-bench", *FAST_COMPARE],
+                               "bench-appended.json line 2: more than one JSON object"),
+    "compare-bench-truncated": (["compare", "bench-truncated.json", "--format", "vllm-bench", *FAST_COMPARE],
+                                "bench-truncated.json line 1: malformed JSON"),
+    "compare-bench-time-unit": (["compare", "bench-uneven.json", *FAST_COMPARE, "--time-unit", "ms"],
+                                "a time unit (--time-unit) applies only to jsonl and mooncake"),
+    "compare-bench-as-jsonl": (["compare", "bench-truncated.json", *FAST_COMPARE],
+                               "bench-truncated.json line 1: not JSON"),
+    "compare-sim-rounds": ([*COMPARE, "--rounds", "3"], "--rounds and --warmup apply to measured executors"),
+    "compare-sim-warmup": ([*COMPARE, "--warmup", "1"], "the sim is deterministic"),
+    "compare-rounds-zero": ([*COMPARE, "--rounds", "0"], "--rounds must be > 0"),
     "compare-longer-than-context": (["compare", "long.jsonl", *FAST_COMPARE, "--model", "smollm2-135m"],
                                     "long.jsonl: every request is longer than the model's context of 8192"),
     # runs that measured nothing

@@ -1,12 +1,14 @@
 """Request traces: the `Request` record every later stage consumes, and the readers that make them.
 
-Four on-disk formats, one output shape:
+Five on-disk formats, one output shape:
 
-    format    file                             time                    prefix sharing
-    jsonl     native JSONL, one object a line  `timestamp`, seconds    `prefix_id` + `prefix_length`
-    mooncake  Mooncake FAST'25 JSONL           `timestamp`, ms         from `hash_ids` (512-token blocks)
-    azure     Azure LLM inference 2023 CSV     wall-clock datetimes    none
-    sharegpt  ShareGPT JSON array              none: all arrive at 0   none
+    format      file                             time                    prefix sharing
+    jsonl       native JSONL, one object a line  `timestamp`, seconds    `prefix_id` + `prefix_length`
+    mooncake    Mooncake FAST'25 JSONL           `timestamp`, ms         from `hash_ids` (512-token blocks)
+    azure       Azure LLM inference 2023 CSV     wall-clock datetimes    none
+    sharegpt    ShareGPT JSON array              none: all arrive at 0   none
+    vllm-bench  `vllm bench serve --save-result  `start_times`, s        none
+                --save-detailed` JSON object     (vtoken.vllm_bench, which also reads what it measured)
 
 Arrival times are rebased so that the first request arrives at 0 s, and requests are sorted by
 arrival (ties keep file order). Every problem with the file is a `TraceError` that names the file
@@ -25,7 +27,7 @@ from typing import Any
 
 from vtoken.errors import TraceError
 
-TRACE_FORMATS = ("auto", "jsonl", "mooncake", "azure", "sharegpt")
+TRACE_FORMATS = ("auto", "jsonl", "mooncake", "azure", "sharegpt", "vllm-bench")
 TIME_UNITS = {"s": 1, "ms": 1000}  # units per second
 MOONCAKE_BLOCK_TOKENS = 512
 SHAREGPT_CHARS_PER_TOKEN = 4
@@ -134,14 +136,19 @@ def within_context(trace: Trace, max_model_len: int | None) -> Trace:
 
 
 def detect_format(text: str) -> str:
-    """Guess the format from the content: '[' starts ShareGPT, a TIMESTAMP/ContextTokens header
+    """Guess the format from the content: '[' starts ShareGPT, a whole text that is one JSON
+    object with a vllm bench serve result's keys is vllm-bench, a TIMESTAMP/ContextTokens header
     (or any first line of comma-separated non-JSON) is Azure, a first JSON object with
     `hash_ids` is Mooncake, anything else native JSONL."""
+    from vtoken.vllm_bench import is_bench_result
+
     start = re.search(r"\S", text)
     if start is None:
         return "jsonl"
     if text[start.start()] == "[":
         return "sharegpt"
+    if text[start.start()] == "{" and is_bench_result(text):
+        return "vllm-bench"
     end = text.find("\n", start.start())
     first_line = text[start.start():end if end >= 0 else len(text)].strip()
     header = {cell.strip().strip('"') for cell in first_line.split(",")}

@@ -1,5 +1,5 @@
 """The trace readers behind `vtoken.trace.load_trace`: shared parsing plumbing, native and
-Mooncake JSONL, Azure CSV and ShareGPT JSON. Each reader returns the requests sorted by
+Mooncake JSONL, Azure CSV and ShareGPT JSON (a vllm bench serve result: vtoken.vllm_bench). Each reader returns the requests sorted by
 arrival and the notes the user must see; every problem is a TraceError naming file and line.
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 from vtoken.errors import TraceError
 from vtoken.trace_json import JsonArray
 from vtoken.trace import MOONCAKE_BLOCK_TOKENS, SHAREGPT_CHARS_PER_TOKEN, TIME_UNITS, TRACE_FORMATS, Request
+from vtoken.vllm_bench import read_bench_trace
 
 _GPT_ROLES = ("gpt", "chatgpt", "assistant", "bard")
 _HUMAN_ROLES = ("human", "user")
@@ -133,14 +134,15 @@ def _not_json(text: str, where: _Where, line: str) -> TraceError:
 
     if not any(earlier.strip() for earlier in text.splitlines()[:where.line_no - 1]):
         guessed = detect_format(text)
-        if guessed in ("azure", "sharegpt"):
+        if guessed in _FORMAT_LOOKS:
             return where.error(f"not JSON, so not a JSONL trace (one JSON object a line); the file looks like "
                                f"{_FORMAT_LOOKS[guessed]}: read it with format '{guessed}' or 'auto'", line)
         return where.error("not JSON: a JSONL trace has one JSON object a line (native or Mooncake)", line)
     return where.error("malformed JSON (truncated line?)", line)
 
 
-_FORMAT_LOOKS = {"azure": "a CSV with a header", "sharegpt": "a JSON array (ShareGPT)"}
+_FORMAT_LOOKS = {"azure": "a CSV with a header", "sharegpt": "a JSON array (ShareGPT)",
+                 "vllm-bench": "a vllm bench serve result (one JSON object)"}
 
 
 def _request_id(obj: dict, where: _Where) -> str:
@@ -445,5 +447,6 @@ READERS: dict[str, Callable[[str, Options], _Parsed]] = {
     "mooncake": _read_mooncake,
     "azure": _read_azure,
     "sharegpt": _read_sharegpt,
+    "vllm-bench": read_bench_trace,
 }
 DEFAULT_TIME_UNIT = {"jsonl": "s", "mooncake": "ms"}
