@@ -70,9 +70,9 @@ def test_figure_spreads_cover_every_run_figure(sim_run):
 def sim_run():
     from vtoken.engine import run_sim
     from vtoken.trace import Request
-    from vtoken_cli.options import build_run_config
+    from vtoken_cli.options import build_experiment
 
-    config = build_run_config(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=200, gpu_mem_util=0.9, block_size=16,
-                              policy="h2o", budget="50%", eviction_interval=16, reclaim_mode="hole-fill", theta_f=0.25,
-                              concurrency=2, seed=0, sim_profile=None)
-    return run_sim(config, [Request(str(i), 0.0, 64 + 8 * i, 32) for i in range(3)])
+    experiment = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=200, gpu_mem_util=0.9,
+                                  block_size=16, policy="h2o", budget="50%", eviction_interval=16,
+                                  reclaim_mode="hole-fill", theta_f=0.25, seed=0, sim_profile=None)
+    return run_sim(experiment.run("vtoken", 2), [Request(str(i), 0.0, 64 + 8 * i, 32) for i in range(3)])
