@@ -23,7 +23,7 @@ from vtoken.kv.reclaim import ReclaimConfig  # noqa: E402
 from vtoken.model_spec import resolve_model  # noqa: E402
 from vtoken.policies.base import Budget  # noqa: E402
 from vtoken.trace import load_trace  # noqa: E402
-from vtoken_cli.render.compare import compare_report  # noqa: E402
+from vtoken_cli.render.compare import compare_report, hf_report  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 LENGTHS = [(60, 40), (90, 50), (40, 60), (120, 30), (70, 45), (50, 55)]
@@ -42,7 +42,9 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
         model=resolve_model("smollm2-135m"), gpu=resolve_gpu("h100-80gb"), num_blocks=16,
         block_size=32, eviction=EvictionConfig("streaming_llm", Budget(num_tokens=48, num_recent_tokens=16), 8),
         reclaim=ReclaimConfig(theta_f=0.05, check_interval_steps=1))
-    report = compare(trace, experiment, CompareOptions((3,), concurrency=3), make_replayer("vllm", model=tiny_model_dir))
+    progress = []
+    report = compare(trace, experiment, CompareOptions((3,), concurrency=3, rounds=2, warmup=1),
+                     make_replayer("vllm", model=tiny_model_dir), lambda stage, n: progress.append(stage))
     runs = report.runs
     assert set(runs) == {"native", "naive-evict", "vtoken"}
     assert all(r.num_completed == len(LENGTHS) for r in runs.values())
@@ -55,11 +57,30 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
     assert payload["config"]["executor"] == "vllm" and payload["config"]["num_blocks"] == 16
     assert payload["variants"]["vtoken"]["tokens_moved"] > 0
     assert report.measured.engine == "vllm" and set(payload["vllm"]["speed"]) == set(runs)
+    # a measurement: one warm-up replay of each variant (dropped), then two rounds, rotated
+    variants = ["native", "naive-evict", "vtoken"]
+    assert payload["vllm"]["rounds"] == {"num_rounds": 2, "num_warmup": 1,
+                                         "order": [variants, ["naive-evict", "vtoken", "native"]]}
+    assert list(dict.fromkeys(progress)) == [f"{v} (vllm, warm-up)" for v in variants] + [
+        f"{v} (vllm, round {r})" for r, order in ((1, variants), (2, variants[1:] + variants[:1])) for v in order]
+    for variant, figures in payload["vllm"]["spread"].items():
+        shown = payload["vllm"]["shown_round"][variant]
+        assert len(figures["throughput_tok_s"]["values"]) == 2
+        assert figures["throughput_tok_s"]["values"][shown] == payload["variants"][variant]["throughput_tok_s"]
+        assert figures["tokens_moved"]["min"] == figures["tokens_moved"]["max"]  # the same decisions every round
+    # naive-evict inside vLLM compacts like vtoken (it moves the same tokens): its speed is not Naive-Evict's
+    assert runs["naive-evict"].tokens_moved == runs["vtoken"].tokens_moved > 0
+    assert "compacts like vtoken" in payload["vllm"]["naive_evict_speed"]
     assert report.sweep == () and report.frontier is None and any("skipped" in n for n in report.trace.notes)
     # the CLI's renderer takes the report as it takes a sim report without sweep and frontier
     console = Console(file=io.StringIO(), width=160)
     console.print(compare_report(report, False))
     assert "vtoken" in console.file.getvalue()
+    console = Console(file=io.StringIO(), width=80)
+    console.print(hf_report(report, False))
+    text = " ".join(console.file.getvalue().replace("│", " ").split())
+    assert "2 rounds after 1 warm-up replay of each variant, dropped" in text and "compacts like vtoken" in text
+    assert "[min-max] over 2 rounds" in text
 
 
 def test_check_invariants_on_vllm(trace, tiny_model_dir):
