@@ -33,7 +33,7 @@ class RecordingPolicy:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.needs_attention = inner.needs_attention
+        self.needs_attention, self.score_fields = inner.needs_attention, inner.score_fields
         self.log: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
 
     def select_victims(self, view):

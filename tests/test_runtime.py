@@ -37,7 +37,7 @@ class RecordingPolicy:
 
     def __init__(self, inner, log):
         self.inner, self.log = inner, log
-        self.needs_attention = inner.needs_attention
+        self.needs_attention, self.score_fields = inner.needs_attention, inner.score_fields
 
     def select_victims(self, view):
         victims = self.inner.select_victims(view)

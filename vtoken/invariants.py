@@ -158,7 +158,8 @@ def check_visibility(req_id: int, read_slots: np.ndarray, in_flight: Iterable[Re
 
 
 def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_req_ids: frozenset[int]) -> None:
-    """I4: the plan is safe to launch on the current state."""
+    """I4: the plan is safe to launch on the current state. Runs before every launch, so its
+    set tests are array lookups (`_isin`), not Python loops."""
     def fail(message: str, **where: int) -> None:
         raise InvariantError("I4", f"request {plan.req_id} plan: {message}", req_id=plan.req_id, **where)
 
@@ -168,46 +169,64 @@ def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_re
         fail(f"planned on layout version {plan.layout_version}, the table is at {table.layout_version}")
     if plan.src_block_ids.size <= plan.dst_new_block_ids.size:
         fail(f"does not reduce the block count ({plan.src_block_ids.size} sources, {plan.dst_new_block_ids.size} new blocks)")
-    pinned = set(table.held_block_ids[: table.num_pinned_blocks])
-    touched = np.unique(np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids)))
-    for block_id in touched.tolist():
-        if block_id in pinned or (pool.ref_counts[block_id] > 1 and block_id not in plan.dst_new_block_ids):
-            fail(f"touches shared prefix block {block_id}", block_id=block_id)
     held = np.asarray(table.held_block_ids, dtype=np.int64)
-    not_held = plan.src_block_ids[~np.isin(plan.src_block_ids, held)]
+    touched = np.unique(np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids)))
+    shared = (pool.ref_counts[touched] > 1) & ~_isin(touched, plan.dst_new_block_ids)
+    shared |= _isin(touched, held[: table.num_pinned_blocks])
+    if shared.any():
+        block_id = int(touched[shared][0])
+        fail(f"touches shared prefix block {block_id}", block_id=block_id)
+    not_held = plan.src_block_ids[~_isin(plan.src_block_ids, held)]
     if not_held.size:
         fail(f"frees block {int(not_held[0])} the request does not hold", block_id=int(not_held[0]))
     if held.size and table.tail_num_written < table.block_size and held[-1] in plan.src_block_ids:
         fail(f"frees the open tail block {int(held[-1])}, where new tokens are appended", block_id=int(held[-1]))
-    in_src = _live_ids_in(table, pool, plan.src_block_ids)
+    block_of_token = table.token_block_ids
+    in_src = _live_ids_in(table, pool, plan.src_block_ids, block_of_token)
     if not np.array_equal(np.sort(plan.moves.token_ids), in_src):
         missing = np.setdiff1d(in_src, plan.moves.token_ids)
         token_id = int(missing[0]) if missing.size else int(plan.moves.token_ids[0])
         fail(f"moves {plan.moves.num_moves} tokens but its sources hold {in_src.size} live ones", token_id=token_id)
-    _check_plan_destinations(plan, table, pool, held, fail)
+    _check_plan_destinations(plan, table, pool, held, block_of_token, fail)
 
 
-def _live_ids_in(table: TokenTable, pool: BlockPool, block_ids: np.ndarray) -> np.ndarray:
-    """Live tokens of `table` stored in `block_ids`, ascending: one pass over the table."""
+def _isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """`np.isin(values, members)` for the short integer arrays of a plan, by binary search."""
+    if members.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    members = np.sort(members)
+    idx = np.minimum(np.searchsorted(members, values), members.size - 1)
+    return members[idx] == values
+
+
+def _live_ids_in(table: TokenTable, pool: BlockPool, block_ids: np.ndarray, block_of_token: np.ndarray) -> np.ndarray:
+    """Live tokens of `table` stored in `block_ids`, ascending: one pass over the table
+    (`block_of_token`: its token_block_ids)."""
     is_listed = np.zeros(pool.num_blocks, dtype=bool)
     is_listed[block_ids] = True
-    return np.flatnonzero(is_listed[table.token_block_ids] & table.live_mask)
+    return np.flatnonzero(is_listed[block_of_token] & table.live_mask)
 
 
-def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: BlockPool, held: np.ndarray, fail) -> None:
+def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: BlockPool, held: np.ndarray,
+                             block_of_token: np.ndarray, fail) -> None:
     """The copy writes every destination before `apply_moves` can object: each must be a free
     slot of a block the request keeps, and no two moves may share one."""
     block_size = table.block_size
     dst_block_ids = plan.moves.dst_block_ids
-    outside = ~np.isin(dst_block_ids, np.concatenate((held, plan.dst_new_block_ids))) | np.isin(dst_block_ids, plan.src_block_ids)
-    if np.any(outside):
+    outside = ~_isin(dst_block_ids, np.concatenate((held, plan.dst_new_block_ids))) | _isin(dst_block_ids, plan.src_block_ids)
+    if outside.any():
         fail(f"moves into block {int(dst_block_ids[outside][0])}, which the request does not keep", block_id=int(dst_block_ids[outside][0]))
     dst_slots = plan.moves.dst_slots(block_size)
-    in_dst_blocks = _live_ids_in(table, pool, dst_block_ids)
-    staying = in_dst_blocks[~np.isin(in_dst_blocks, plan.moves.token_ids)]
-    occupied = np.isin(dst_slots, table.token_block_ids[staying] * block_size + table.token_offsets[staying])
-    if np.any(occupied) or np.unique(dst_slots).size != dst_slots.size:
-        i = int(np.flatnonzero(occupied)[0]) if np.any(occupied) else 0
+    in_dst_blocks = _live_ids_in(table, pool, dst_block_ids, block_of_token)
+    staying = in_dst_blocks[~_isin(in_dst_blocks, plan.moves.token_ids)]
+    occupied = _isin(dst_slots, table.token_slots[staying])
+    if occupied.any() or not _is_distinct(dst_slots):
+        i = int(np.flatnonzero(occupied)[0]) if occupied.any() else 0
         slot = int(dst_slots[i])
         fail(f"moves token {int(plan.moves.token_ids[i])} onto slot {slot} (block {slot // block_size}, offset {slot % block_size}), "
              "which is not free", token_id=int(plan.moves.token_ids[i]), block_id=slot // block_size, offset=slot % block_size)
+
+
+def _is_distinct(values: np.ndarray) -> bool:
+    ordered = np.sort(values)
+    return bool((ordered[1:] != ordered[:-1]).all())

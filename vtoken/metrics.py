@@ -125,7 +125,10 @@ class RunCounters:
     invariant_violations: int = 0
 
     def plus(self, **deltas: int) -> "RunCounters":
-        return replace(self, **{name: getattr(self, name) + delta for name, delta in deltas.items()})
+        values = dict(self.__dict__)  # not dataclasses.replace: this runs at every eviction and free
+        for name, delta in deltas.items():
+            values[name] += delta
+        return RunCounters(**values)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -96,8 +96,7 @@ def build_view(req_idx: int, table: TokenTable, config: EvictionConfig, num_toke
     """The policy's view of a request at logical length `num_tokens` (<= table.num_tokens)."""
     budget = config.budget
     num_pinned = table.num_pinned_tokens
-    live_ids = table.live_token_ids()
-    token_ids = live_ids[(live_ids >= num_pinned) & (live_ids < num_tokens)]
+    token_ids = table.live_token_ids(num_pinned, num_tokens)
     num_keep = max(0, budget.num_keep_tokens(num_tokens) - num_pinned)
     stats = scores(token_ids, num_tokens) if scores is not None else (None, None, None)
     return RequestView(req_idx, token_ids, num_tokens, num_keep, budget.num_sink_tokens, budget.num_recent_tokens, *stats)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from vtoken.kv.token_table import TokenTable
 
 TokenScores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (attention_sum, attention_last, importance_count)
+SCORE_FIELDS = ("attention_sum", "attention_last", "importance_count")  # TokenScores' order
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ class Executor(Protocol):
     def execute(self, batch: Batch, load: StepLoad) -> float:
         """Run (or cost) the batch's forward; the step's duration in seconds."""
 
-    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> TokenScores:
-        """Scores of `token_ids` of a request as of logical length `num_tokens`, for the policy."""
+    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int,
+                        fields: tuple[str, ...] = SCORE_FIELDS) -> TokenScores:
+        """Scores of `token_ids` of a request as of logical length `num_tokens`, for the policy;
+        those not in `fields` (what the policy reads) may be None."""
 
     def forget(self, req_idx: int) -> None:
         """The request left the engine (finished or dropped): drop what is kept for it."""

@@ -36,7 +36,7 @@ from vtoken.engine.hf_forward import PagedDecoder
 from vtoken.engine.observer import RuntimeObserver
 from vtoken.engine.runtime import PlannerFactory, Runtime
 from vtoken.engine.scheduler import Batch, ReqState, TableFactory
-from vtoken.engine.executor import StepLoad, TokenScores
+from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores
 from vtoken.engine.scores import AttentionStats
 from vtoken.errors import ConfigError
 from vtoken.kv.copy_engine import CopyEngine
@@ -250,9 +250,11 @@ class HFExecutor:
 
     # ---- what the runtime asks -------------------------------------------------------------
 
-    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> TokenScores:
+    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int,
+                        fields: tuple[str, ...] = SCORE_FIELDS) -> TokenScores:
         """(attention_sum, attention_last, importance_count) of `token_ids`, as of the latest
-        query (position num_tokens - 1: the hf executor never fuses steps)."""
+        query (position num_tokens - 1: the hf executor never fuses steps). All three, whatever
+        `fields`: they are accumulated anyway."""
         scores = self._records[req_idx].scores
         if scores is None:
             raise ConfigError("the policy needs attention scores but the hf executor was built with collect_scores=False")

@@ -88,6 +88,7 @@ class Runtime:
         self.reclaimer = planner_factory(experiment.reclaim, self.pool) if spec.reclaims else None
         self.copy_engine = copy_engine or CopyEngine(None, "sync")
         self.observer = observer or NullObserver()
+        self._is_observed = not isinstance(self.observer, NullObserver)  # else no event needs its arguments built
         self.recorder = Recorder(experiment.model.kv_bytes_per_token)
         self.counters = RunCounters()
         self.now_s = 0.0
@@ -259,8 +260,10 @@ class Runtime:
     def _evict(self, state: ReqState) -> None:
         """Ask the schedule what the request loses now, then mark those tokens dead."""
         scores = None
-        if self.eviction.policy.needs_attention:
-            scores = lambda token_ids, num_tokens: self.executor.attention_stats(state.req_idx, token_ids, num_tokens)  # noqa: E731
+        policy = self.eviction.policy
+        if policy.needs_attention:
+            scores = lambda token_ids, num_tokens: self.executor.attention_stats(  # noqa: E731
+                state.req_idx, token_ids, num_tokens, policy.score_fields)
         event = self.eviction.decide(state.eviction, state.req_idx, state.table, state.num_generated, scores)
         if event is None:
             return
@@ -315,7 +318,7 @@ class Runtime:
         if state is None:  # finished or preempted while the copy was in flight
             return
         table = state.table
-        live_before = table.live_token_ids()
+        live_before = table.live_token_ids() if self._is_observed else None
         table.apply_moves(plan.moves)
         held = table.held_block_ids[table.num_pinned_blocks :]
         emptied = held[self.pool.live_counts[held] == 0]

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vtoken.engine.executor import StepLoad, TokenScores
+from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores
 from vtoken.errors import ConfigError
 from vtoken.hardware import GpuSpec
 from vtoken.model_spec import ModelSpec
@@ -134,7 +134,8 @@ class SimExecutor:
         self._kv_rate = gpu.hbm_bytes_per_s * profile.hbm_efficiency
         self._weight_s = model.weight_bytes / self._kv_rate
         self._reads_extent = profile.attention_reads == "kv-extent"
-        self._importance: dict[int, np.ndarray] = {}
+        self._importance: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # request -> (w_j, max_age_j)
+        self._recency_tables = (np.zeros(0), np.zeros(0))
 
     # ---- cost model ----------------------------------------------------------------------
 
@@ -161,31 +162,57 @@ class SimExecutor:
 
     def importance(self, req_idx: int, num_tokens: int) -> np.ndarray:
         """w_j for j < num_tokens: a fixed stream per request, extended as it grows."""
-        weights = self._importance.get(req_idx)
-        if weights is None or weights.size < num_tokens:
-            capacity = max(num_tokens, 2 * (weights.size if weights is not None else 256))
+        return self._weights(req_idx, num_tokens)[0][:num_tokens]
+
+    def _weights(self, req_idx: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(w_j, max_age_j) for at least `num_tokens` tokens: max_age_j is the largest query
+        distance at which a(q, j) >= theta, a function of w_j alone, so it is kept with it."""
+        entry = self._importance.get(req_idx)
+        if entry is None or entry[0].size < num_tokens:
+            p = self.profile
+            # twice the length asked for: the stream's first values do not depend on how many
+            # are drawn, so drawing ahead only saves regenerating it as the request grows
+            capacity = max(2 * num_tokens, 2 * (entry[0].size if entry is not None else 256))
             rng = np.random.default_rng([self.seed, req_idx])
-            weights = rng.pareto(self.profile.pareto_alpha, capacity) + 1.0
-            weights[: self.profile.num_sink_tokens] *= self.profile.sink_boost
-            self._importance[req_idx] = weights
-        return weights[:num_tokens]
+            weights = rng.pareto(p.pareto_alpha, capacity) + 1.0
+            weights[: p.num_sink_tokens] *= p.sink_boost
+            max_age = np.floor(p.recency_tau * ((weights / p.importance_threshold) ** (1.0 / p.recency_beta) - 1.0))
+            entry = self._importance[req_idx] = (weights, max_age)
+        return entry
+
+    def _recency(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(r(d), sum_{d'<=d} r(d')) for every age d < num_tokens, one table for every request
+        (elementwise the same numbers as computing them for each request's ages)."""
+        tables = self._recency_tables
+        if tables[0].size < num_tokens:
+            p = self.profile
+            age = np.arange(max(num_tokens, 2 * tables[0].size, 1024), dtype=np.float64)
+            tables = self._recency_tables = ((1.0 + age / p.recency_tau) ** -p.recency_beta,
+                                             _cumulative_recency(age, p.recency_tau, p.recency_beta))
+        return tables
 
     def forget(self, req_idx: int) -> None:
         self._importance.pop(req_idx, None)
 
-    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int) -> TokenScores:
-        """(attention_sum, attention_last, importance_count) of `token_ids` at length `num_tokens`."""
+    def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int,
+                        fields: tuple[str, ...] = SCORE_FIELDS) -> TokenScores:
+        """(attention_sum, attention_last, importance_count) of `token_ids` at length `num_tokens`;
+        None for those not in `fields`."""
         p = self.profile
-        w = self.importance(req_idx, num_tokens)[token_ids]
-        age = (num_tokens - 1 - token_ids).astype(np.float64)
-        attention_last = w * (1.0 + age / p.recency_tau) ** -p.recency_beta
-        attention_sum = w * _cumulative_recency(age, p.recency_tau, p.recency_beta)
-        # a(q, j) >= theta  <=>  q - j <= max_age_j ; count the window's queries within that age
-        max_age = np.floor(p.recency_tau * ((w / p.importance_threshold) ** (1.0 / p.recency_beta) - 1.0))
-        first_query = max(0, num_tokens - p.importance_window)
-        last_important = np.minimum(token_ids + max_age, num_tokens - 1)
-        importance_count = np.clip(last_important - np.maximum(token_ids, first_query) + 1, 0, p.importance_window)
-        return attention_sum, attention_last, importance_count.astype(np.int32)
+        weights, max_ages = self._weights(req_idx, num_tokens)
+        w = weights[token_ids]
+        age = num_tokens - 1 - token_ids
+        recency, cumulative_recency = self._recency(num_tokens)
+        attention_sum = w * cumulative_recency[age] if "attention_sum" in fields else None
+        attention_last = w * recency[age] if "attention_last" in fields else None
+        importance_count = None
+        if "importance_count" in fields:
+            # a(q, j) >= theta  <=>  q - j <= max_age_j ; count the window's queries within that age
+            first_query = max(0, num_tokens - p.importance_window)
+            last_important = np.minimum(token_ids + max_ages[token_ids], num_tokens - 1)
+            importance_count = np.clip(last_important - np.maximum(token_ids, first_query) + 1, 0,
+                                       p.importance_window).astype(np.int32)
+        return attention_sum, attention_last, importance_count
 
 
 def _cumulative_recency(age: np.ndarray, tau: float, beta: float) -> np.ndarray:

@@ -239,6 +239,23 @@ class BlockPool:
         self.num_live_tokens -= 1
         return old_count - 1
 
+    def remove_live_tokens(self, block_ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """`counts[i]` live tokens of `block_ids[i]` died (ids distinct): `remove_live_token` for
+        a batch eviction, by a caller that holds the blocks and knew the tokens live, so nothing
+        to check (nor any other table's deferred appends to count: those are in their own
+        tails). Returns the blocks' new live counts."""
+        if block_ids.size <= 32:  # Python integers: cheaper than the array path for a few blocks
+            new_list = []
+            for block_id, count in zip(block_ids.tolist(), counts.tolist()):
+                old_count = self._live_counts.item(block_id)
+                self._recount(block_id, old_count, old_count - count)
+                self.num_live_tokens -= count
+                new_list.append(old_count - count)
+            return np.array(new_list, dtype=np.int32)
+        new_counts = (self._live_counts[block_ids] - counts).astype(np.int32)
+        self._set_live(block_ids, new_counts)
+        return new_counts
+
     def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
         """Set one block's live count; its histogram bin and the <= 50% count follow."""
         self._live_counts[block_id] = new_count

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtoken.errors import VTokenError
-from vtoken.kv.arrays import block_slots, is_distinct, positions_in, sum_by_block
+from vtoken.kv.arrays import block_slots, count_by_block, is_distinct, positions_in, sum_by_block
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.slot_cache import SlotCache
 
@@ -130,8 +130,13 @@ class TokenTable:
     def num_pinned_blocks(self) -> int:
         return self.num_pinned_tokens // self.block_size
 
-    def live_token_ids(self) -> np.ndarray:
-        return np.flatnonzero(self._live[: self.num_tokens])
+    def live_token_ids(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Live logical ids, ascending; only those in [start, stop) when given (stop at most
+        num_tokens)."""
+        stop = self.num_tokens if stop is None else min(stop, self.num_tokens)
+        if start <= 0:
+            return np.flatnonzero(self._live[:stop])
+        return np.flatnonzero(self._live[start:stop]) + start
 
     def evicted_token_ids(self) -> np.ndarray:
         return np.flatnonzero(~self._live[: self.num_tokens])
@@ -367,14 +372,14 @@ class TokenTable:
         self._check_evictable(token_ids)
         self.flush()
         slots = self._slot[token_ids]
-        blocks, deltas = sum_by_block(slots // self.block_size, np.full(slots.size, -1, np.int64))
-        self.pool.adjust_live(blocks, deltas)
+        blocks, counts = count_by_block(slots // self.block_size)
+        new_counts = self.pool.remove_live_tokens(blocks, counts)
         self._token_at[slots] = -1
         self._live[token_ids] = False
         self._num_dead += token_ids.size
         self._cache.is_valid = False
         self.layout_version += 1
-        return blocks[self.pool.live_counts[blocks] == 0]
+        return blocks[new_counts == 0]
 
     def _evict_one(self, token_id: int) -> np.ndarray:
         """`evict_tokens` of a single id, with scalars only (same checks, same result)."""
@@ -406,16 +411,17 @@ class TokenTable:
 
     def _check_evictable(self, token_ids: np.ndarray) -> None:
         out_of_range = (token_ids < 0) | (token_ids >= self.num_tokens)
-        if np.any(out_of_range):
+        if out_of_range.any():
             bad = token_ids[out_of_range][0]
             raise VTokenError(f"request {self.req_id}: cannot evict unknown token {bad} (length {self.num_tokens})")
-        if not np.all(self._live[token_ids]):
-            bad = token_ids[~self._live[token_ids]][0]
+        live = self._live[token_ids]
+        if not live.all():
+            bad = token_ids[~live][0]
             raise VTokenError(f"request {self.req_id}: token {bad} is already evicted")
-        if np.any(token_ids < self.num_pinned_tokens):
+        if token_ids.min() < self.num_pinned_tokens:
             bad = token_ids[token_ids < self.num_pinned_tokens][0]
             raise VTokenError(f"request {self.req_id}: token {bad} is in the shared prefix and cannot be evicted")
-        if np.unique(token_ids).size != token_ids.size:
+        if not is_distinct(token_ids):  # a policy's victims ascend: one comparison pass
             raise VTokenError(f"request {self.req_id}: evict_tokens got repeated ids")
 
     def adopt_blocks(self, block_ids: np.ndarray) -> None:

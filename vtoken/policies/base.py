@@ -143,6 +143,7 @@ class EvictionPolicy(Protocol):
 
     name: ClassVar[str]
     needs_attention: ClassVar[bool]  # True: the runtime must fill the view's score arrays
+    score_fields: ClassVar[tuple[str, ...]]  # which of them it reads (the others may be None)
 
     def select_victims(self, view: RequestView) -> np.ndarray:
         """Logical ids to evict: int64, ascending, distinct, a subset of view.token_ids,
@@ -156,30 +157,40 @@ def protected_mask(view: RequestView) -> np.ndarray:
     return (view.token_ids < view.num_sink_tokens) | (view.token_ids >= first_recent_id)
 
 
+def unprotected_range(view: RequestView) -> tuple[int, int]:
+    """[lo, hi): the positions of view.token_ids that `protected_mask` leaves out. The ids
+    ascend, so the sinks are a prefix of them and the recent window a suffix."""
+    token_ids = view.token_ids
+    lo = int(token_ids.searchsorted(view.num_sink_tokens))
+    hi = int(token_ids.searchsorted(view.num_logical_tokens - view.num_recent_tokens))
+    return lo, max(lo, hi)
+
+
 def num_victims(view: RequestView) -> int:
     """How many tokens to evict: down to the budget, but never a protected token."""
-    num_protected_tokens = int(np.count_nonzero(protected_mask(view)))
-    return max(0, len(view.token_ids) - max(view.num_keep_tokens, num_protected_tokens))
+    lo, hi = unprotected_range(view)
+    num_tokens = len(view.token_ids)
+    return max(0, num_tokens - max(view.num_keep_tokens, num_tokens - (hi - lo)))
 
 
 def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     """The num_victims(view) unprotected ids with the lowest scores, ties to the lower id; int64 ascending.
 
-    `scores` is aligned with view.token_ids. Because token_ids ascend, a stable sort over the
-    unprotected positions breaks equal scores toward the older token.
+    `scores` is aligned with view.token_ids. Because token_ids ascend, the unprotected ids are
+    one slice of them, and a stable selection over it breaks equal scores toward the older token.
     """
-    candidate_idx = np.flatnonzero(~protected_mask(view))
     num_evict = num_victims(view)
     if num_evict == 0:
         return np.zeros(0, dtype=np.int64)
-    candidate_scores = scores[candidate_idx]
+    lo, hi = unprotected_range(view)
+    candidate_scores = scores[lo:hi]
     # O(n) selection instead of a full sort: everything strictly below the k-th smallest score,
     # then as many of the ties at that score as still fit, oldest first (candidates ascend).
     kth_score = np.partition(candidate_scores, num_evict - 1)[num_evict - 1]
     below = candidate_scores < kth_score
     tied_idx = np.flatnonzero(candidate_scores == kth_score)[: num_evict - int(np.count_nonzero(below))]
     below[tied_idx] = True
-    return view.token_ids[candidate_idx[below]].astype(np.int64, copy=False)
+    return view.token_ids[lo:hi][below].astype(np.int64, copy=False)
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:

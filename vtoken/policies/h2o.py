@@ -21,6 +21,7 @@ class H2O:
 
     name: ClassVar[str] = "h2o"
     needs_attention: ClassVar[bool] = True
+    score_fields: ClassVar[tuple[str, ...]] = ("attention_sum",)
 
     seed: int = 0
 

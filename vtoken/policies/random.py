@@ -22,6 +22,7 @@ class RandomPolicy:
 
     name: ClassVar[str] = "random"
     needs_attention: ClassVar[bool] = False
+    score_fields: ClassVar[tuple[str, ...]] = ()
 
     seed: int = 0
 

@@ -22,6 +22,7 @@ class Scissorhands:
 
     name: ClassVar[str] = "scissorhands"
     needs_attention: ClassVar[bool] = True
+    score_fields: ClassVar[tuple[str, ...]] = ("importance_count",)
 
     seed: int = 0
 

@@ -21,6 +21,7 @@ class StreamingLLM:
 
     name: ClassVar[str] = "streaming_llm"
     needs_attention: ClassVar[bool] = False
+    score_fields: ClassVar[tuple[str, ...]] = ()
 
     seed: int = 0
 

@@ -21,6 +21,7 @@ class TOVA:
 
     name: ClassVar[str] = "tova"
     needs_attention: ClassVar[bool] = True
+    score_fields: ClassVar[tuple[str, ...]] = ("attention_last",)
 
     seed: int = 0
 
