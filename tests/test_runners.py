@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from vtoken import cache as cache_module
+from vtoken.analysis import frontier
+from vtoken.audit import Overrides, audit
+from vtoken.audit import report_to_json as audit_report_to_json
 from vtoken.cache import RunCache, job_key
 from vtoken.compare import CompareOptions, compare, report_to_json
 from vtoken.engine.config import EvictionConfig, SchedulerConfig
@@ -21,7 +24,7 @@ from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.policies.base import Budget
 from vtoken.replay import SimReplayer
 from vtoken.runners import ProcessRunner, RayRunner, ReplayJob, SerialRunner, make_runner, replay_job
-from vtoken.trace import load_trace
+from vtoken.trace import Request, load_trace
 
 from test_replayers import REQUESTS, CountingRunner, make_experiment, make_run
 
@@ -154,3 +157,52 @@ def test_an_unreadable_entry_is_a_miss(tmp_path) -> None:
     (path,) = tmp_path.rglob("*.pkl")
     path.write_bytes(b"not a pickle")
     assert cache.get(job) is None
+
+
+# ---- the frontier's and audit's replays -------------------------------------------------------
+
+LONG_OUTPUTS = tuple(Request(f"r{i}", 0.0, 64 + 8 * i, 160) for i in range(4))  # packing decides the frontier
+
+
+class RecordingRunner(SerialRunner):
+    """The serial runner, recording each batch it was given: (variant, C, block budget) per job."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, int, int]]] = []
+
+    def map(self, func, jobs, on_done=None):
+        self.batches.append([(j.run.spec.variant, len(j.requests), j.run.experiment.num_blocks) for j in jobs])
+        return super().map(func, jobs, on_done)
+
+
+def test_the_frontier_runs_in_two_batches_on_the_runner_with_the_serial_result() -> None:
+    # lazy reclamation off (theta_F 0.9): an unbounded pool never packs, so vtoken is replayed
+    # again in the budget wherever its unbounded demand exceeds it
+    experiment = make_experiment(num_blocks=60, reclaim=ReclaimConfig(theta_f=0.9))
+    serial = frontier(experiment, LONG_OUTPUTS, (4, 6, 8))
+    runner = RecordingRunner()
+    batched = frontier(experiment, LONG_OUTPUTS, (4, 6, 8), run_many=lambda jobs, on_done: runner.map(replay_job, jobs, on_done))
+    assert batched == serial
+    assert serial.max_feasible_concurrency["vtoken"] > serial.max_feasible_concurrency["naive-evict"]
+    assert len(runner.batches[0]) == 9  # every point in an unbounded pool
+    assert runner.batches[1] == [("vtoken", 6, 60), ("vtoken", 8, 60)]  # then in the budget, where needed
+    processes = frontier(experiment, LONG_OUTPUTS, (4, 6, 8), run_many=lambda jobs, on_done: ProcessRunner(2).map(replay_job, jobs, on_done))
+    assert processes == serial
+
+
+def test_compare_sends_the_frontier_to_the_replayer_runner() -> None:
+    runner = CountingRunner()
+    compare(load_trace(SAMPLE, max_requests=10), make_experiment(num_blocks=600), CompareOptions((2, 3), with_sweep=False),
+            SimReplayer(runner=runner), num_blocks=600)
+    assert sum(admitted_at_once for *_, admitted_at_once in runner.replayed) == 6  # C = 2, 3 x three variants
+
+
+def test_audit_on_two_worker_processes_gives_the_serial_json() -> None:
+    small = ROOT / "tests" / "data" / "audit_small.toml"
+    overrides = Overrides(max_requests=6, frontier_max_concurrency=8)  # two policies: five replays
+    serial = audit_report_to_json(audit(str(small), overrides))
+    runner = RecordingRunner()
+    recorded = audit_report_to_json(audit(str(small), overrides, runner=runner))
+    assert recorded == serial
+    assert len(runner.batches[0]) == 5  # native, and naive-evict and vtoken per policy: one batch
+    assert audit_report_to_json(audit(str(small), overrides, runner=ProcessRunner(2))) == serial

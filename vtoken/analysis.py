@@ -15,7 +15,8 @@ the capacity frontier, and repeats with confidence intervals.
 - Repeats: every headline figure over N seeds, mean and a 95% Student-t interval.
 
 The sweep's replays are independent and go to a replayer's `run_many` as one batch (local
-processes or Ray, vtoken.runners); the frontier's run one after the other through `replay`.
+processes or Ray, vtoken.runners); so do the frontier's, in two batches: every point in an
+unbounded pool, then in the budget the points that need it (which depends on the first).
 """
 
 from __future__ import annotations
@@ -145,27 +146,51 @@ def frontier_num_tokens(requests: Sequence[Request], concurrency: int) -> int:
 
 def frontier(base: Experiment, requests: Sequence[Request], concurrencies: Sequence[int],
              variants: Sequence[str] = VARIANTS, progress: Progress | None = None, *,
-             replay: Replay = run_sim) -> Frontier:
+             replay: Replay = run_sim, run_many: RunMany | None = None) -> Frontier:
     """Block demand and feasibility of C co-resident requests (the first C of `requests`,
-    cycled if fewer), per variant: see the module docstring."""
+    cycled if fewer), per variant: see the module docstring. `run_many`: how a batch of
+    replays runs (a replayer's); default: one after the other in this process through `replay`."""
     budget = base.num_blocks
-    points = []
+    if run_many is None:
+        run_many = lambda jobs, on_done: SerialRunner().map(lambda job: replay(job.run, job.requests), jobs, on_done)  # noqa: E731
+    unbounded_jobs, retried = [], {}  # retried: index of a point -> its replay in the budget
     for concurrency in concurrencies:
         batch = [requests[i % len(requests)] for i in range(concurrency)]
-        batch = [replace(r, request_id=f"{r.request_id}#{i}", arrival_s=0.0) for i, r in enumerate(batch)]
+        batch = tuple(replace(r, request_id=f"{r.request_id}#{i}", arrival_s=0.0) for i, r in enumerate(batch))
         unbounded = sum(-(-(r.num_prompt_tokens + r.num_output_tokens) // base.block_size) for r in batch) + 1
         scheduler = replace(base.scheduler, max_num_seqs=max(base.scheduler.max_num_seqs, concurrency))
         resident = replace(base, scheduler=scheduler)
         for variant in variants:
             run = replace(resident, num_blocks=max(budget, unbounded)).run(variant, None, admit_all_at_start=True)
-            peak = replay(run, batch).peak_allocated_blocks
-            point = FrontierPoint(variant, concurrency, peak, peak / budget, peak <= budget)
-            if not point.is_feasible and run.spec.reclaims and _num_prompt_blocks(batch, base.block_size) <= budget:
-                in_budget = replace(resident, num_blocks=budget).run(variant, None, admit_all_at_start=True)
-                point = _in_budget(replay(in_budget, batch), point, budget)
-            points.append(point)
-            if progress:
-                progress(f"frontier C={concurrency}", num_output_tokens(batch))
+            unbounded_jobs.append(ReplayJob(run, batch))
+
+    points: list[FrontierPoint | None] = [None] * len(unbounded_jobs)
+
+    def point_done(idx: int) -> None:
+        if progress:
+            batch = unbounded_jobs[idx].requests
+            progress(f"frontier C={len(batch)}", num_output_tokens(batch))
+
+    def on_unbounded(idx: int, result: RunResult) -> None:
+        job = unbounded_jobs[idx]
+        peak = result.peak_allocated_blocks
+        points[idx] = FrontierPoint(job.run.spec.variant, len(job.requests), peak, peak / budget, peak <= budget)
+        if not points[idx].is_feasible and job.run.spec.reclaims and _num_prompt_blocks(job.requests, base.block_size) <= budget:
+            in_budget = replace(job.run.experiment, num_blocks=budget).run(job.run.spec.variant, None, admit_all_at_start=True)
+            retried[idx] = ReplayJob(in_budget, job.requests)
+        else:
+            point_done(idx)
+
+    run_many(unbounded_jobs, on_unbounded)
+    order = sorted(retried)
+
+    def on_in_budget(k: int, result: RunResult) -> None:
+        idx = order[k]
+        points[idx] = _in_budget(result, points[idx], budget)
+        point_done(idx)
+
+    if order:
+        run_many([retried[idx] for idx in order], on_in_budget)
     return Frontier(budget, tuple(points), _max_feasible(points, variants), _ideal_max(base, requests, budget))
 
 

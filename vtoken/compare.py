@@ -10,7 +10,8 @@ frontier and repeats over seeds, returned as one plain record.
                                 over `options.rounds` alternated rounds after `options.warmup`
                                 dropped replays of each (vtoken.rounds); the spread comes with
                                 the report's `measured`
-        frontier                analysis.py, through `replayer.run`, one replay after another
+        frontier                analysis.py, through `replayer.run_many`: two batches (unbounded,
+                                then in the budget where needed)
 
 What the replayer does not support (hf and vllm: the sweep, the frontier, repeats) is skipped
 and noted; a real engine's measured extras (speed, quality, agreement) come with the report.
@@ -105,7 +106,8 @@ def compare(trace: Trace, experiment: Experiment, options: CompareOptions, repla
         notes += (NO_SLA_NOTE,)
     frontier_result = None
     if options.with_frontier:
-        frontier_result = frontier(experiment, requests, options.concurrencies, variants, progress, replay=replayer.run)
+        frontier_result = frontier(experiment, requests, options.concurrencies, variants, progress, replay=replayer.run,
+                                   run_many=replayer.run_many)
     trace = replace(trace, notes=trace.notes + notes)
     return CompareReport(trace, experiment, options, repeats[0], headline_ci, tuple(points), sla, frontier_result,
                          replayer.executor, replayer.measured)

@@ -224,8 +224,9 @@ def require_vllm() -> None:
 # ---- where independent replays run, and what is kept of them (compare, sweep) ------------------
 
 Workers = Annotated[Optional[int], typer.Option(
-    help="Local worker processes for the independent replays (sweep points, repeats); default: the cores "
-         "available. Results are identical to --workers 1. With --ray local: the local cluster's CPUs.")]
+    help="Local worker processes for the independent replays (sweep points, repeats, the frontier's, audit's "
+         "per-policy runs); default: the cores available. Results are identical to --workers 1. With --ray local: "
+         "the local cluster's CPUs.")]
 RayAddress = Annotated[Optional[str], typer.Option(
     "--ray", help="Run the independent replays on a Ray cluster: its address (auto, HOST:PORT, ray://HOST:PORT), "
                   "or 'local' to start one on this machine. Needs vtoken[ray].")]

@@ -50,6 +50,7 @@ from vtoken.audit.workload import EDGES, MAX_SYNTHETIC_REQUESTS, ReplicaWorkload
 from vtoken.endpoint import LiveState, redact_url
 from vtoken.errors import EndpointError
 from vtoken.nvml import NvmlReport, probe_gpus
+from vtoken.runners import Runner
 
 __all__ = [
     "AUDIT_VARIANTS", "DEFAULT_BLOCK_SIZE", "DEFAULT_BUDGET", "DEFAULT_CONCURRENCY", "DEFAULT_FRONTIER_MAX_CONCURRENCY",
@@ -66,17 +67,19 @@ __all__ = [
 ]
 
 
-def audit(target: str, overrides: Overrides | None = None, progress: AuditProgress | None = None) -> AuditReport:
+def audit(target: str, overrides: Overrides | None = None, progress: AuditProgress | None = None,
+          runner: Runner | None = None) -> AuditReport:
     """Audit the deployment `target` (a TOML path or an http(s):// URL); see the module docstring.
+    `runner`: where the replays run (vtoken.runners; default: this process).
 
     Raises ConfigError / TraceError / EndpointError (all VTokenError) for any bad input.
     """
     deployment, live = resolve_deployment(target, overrides or Overrides())
-    return _audit_one(deployment, live, probe_gpus(), progress)
+    return _audit_one(deployment, live, probe_gpus(), progress, runner)
 
 
 def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
-                     progress: AuditProgress | None = None) -> DeploymentAudit:
+                     progress: AuditProgress | None = None, runner: Runner | None = None) -> DeploymentAudit:
     """Audit every replica: each target, and each engine of a data-parallel server, on its own.
 
     A server that does not answer (EndpointError) is a `ReplicaFailure` and the others are
@@ -97,7 +100,7 @@ def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
             failures.append(ReplicaFailure(redact_url(target), str(exc)))
             continue
         for deployment in deployments:
-            reports.append(_audit_one(deployment, live, gpus, _prefixed(progress, deployment.source)))
+            reports.append(_audit_one(deployment, live, gpus, _prefixed(progress, deployment.source), runner))
     if not reports:
         if len(failures) == 1:
             raise EndpointError(failures[0].reason)
@@ -122,12 +125,13 @@ def window_scrapes(targets: Sequence[str], overrides: Overrides) -> dict[str, Sc
 
 
 def _audit_one(deployment: Deployment, live: LiveState | None, gpus: NvmlReport,
-               progress: AuditProgress | None) -> AuditReport:
+               progress: AuditProgress | None, runner: Runner | None = None) -> AuditReport:
     traces = workload_traces(deployment.workload)
     edges = [edge for edge in EDGES if edge != "mid" and edge in traces]
     num_replays = 1 + len(edges)
-    policies = measure(deployment, traces["mid"].requests, _offset(progress, 0, num_replays, ""))
-    at_edges = {edge: measure(deployment, traces[edge].requests, _offset(progress, k + 1, num_replays, f"{edge} edge: "))
+    policies = measure(deployment, traces["mid"].requests, _offset(progress, 0, num_replays, ""), runner)
+    at_edges = {edge: measure(deployment, traces[edge].requests, _offset(progress, k + 1, num_replays, f"{edge} edge: "),
+                              runner)
                 for k, edge in enumerate(edges)}
     loop = (compare_with_sim(deployment.measured, {p.policy: p.runs for p in policies},
                                     deployment.kv_bytes_per_block)

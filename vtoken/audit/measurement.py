@@ -24,6 +24,7 @@ from vtoken.analysis import frontier
 from vtoken.audit.deployment import Deployment
 from vtoken.engine import EvictionConfig, Experiment, Run, run_sim
 from vtoken.metrics import RunResult
+from vtoken.runners import ReplayJob, Runner, SerialRunner, replay_job
 from vtoken.trace import Request, num_output_tokens
 
 AUDIT_VARIANTS = ("native", "naive-evict", "vtoken")
@@ -74,13 +75,18 @@ def num_progress_units(deployment: Deployment, requests: Sequence[Request]) -> i
 
 
 def measure(deployment: Deployment, requests: Sequence[Request],
-            progress: AuditProgress | None = None) -> tuple[PolicyAudit, ...]:
+            progress: AuditProgress | None = None, runner: Runner | None = None) -> tuple[PolicyAudit, ...]:
     """Replay `requests` through native once and naive-evict + vtoken per policy, closed loop at
-    the workload's concurrency on the deployment's block budget; then search the capacity."""
+    the workload's concurrency on the deployment's block budget; then search the capacity.
+
+    The replays are independent: one batch on `runner` (local processes or Ray, vtoken.runners;
+    default: one after the other here, reporting progress as they generate). The capacity
+    searches bisect, one probe after the other, in this process."""
     tracker = _Tracker(progress, num_progress_units(deployment, requests))
     concurrency = deployment.workload.concurrency
     base = experiment_of(deployment, deployment.policies[0])
-    native = _replay(base.run("native", concurrency), requests, tracker)
+    replayed = _replays(deployment, tuple(requests), tracker, runner or SerialRunner())
+    native = replayed[None, "native"]
     native_capacity = _capacity(base.run("native", concurrency), requests, deployment, None)
     tracker.advance("capacity native", 1)
     audits = []
@@ -90,7 +96,7 @@ def measure(deployment: Deployment, requests: Sequence[Request],
         capacity = {"native": native_capacity}
         guess = native_capacity.max_concurrency
         for variant in ("naive-evict", "vtoken"):
-            runs[variant] = _replay(experiment.run(variant, concurrency), requests, tracker)
+            runs[variant] = replayed[policy, variant]
             capacity[variant] = _capacity(experiment.run(variant, concurrency), requests, deployment, guess)
             guess = capacity[variant].max_concurrency
             tracker.advance(f"capacity {policy}", 1)
@@ -107,9 +113,31 @@ def experiment_of(deployment: Deployment, policy: str) -> Experiment:
     )
 
 
-def _replay(run: Run, requests: Sequence[Request], tracker: _Tracker) -> RunResult:
+def _replays(deployment: Deployment, requests: tuple[Request, ...], tracker: _Tracker,
+             runner: Runner) -> dict[tuple[str | None, str], RunResult]:
+    """Native (key (None, "native")) and each policy's naive-evict and vtoken, as one batch."""
+    concurrency = deployment.workload.concurrency
+    keys: list[tuple[str | None, str]] = [(None, "native")]
+    jobs = [ReplayJob(experiment_of(deployment, deployment.policies[0]).run("native", concurrency), requests)]
+    for policy in deployment.policies:
+        for variant in ("naive-evict", "vtoken"):
+            keys.append((policy, variant))
+            jobs.append(ReplayJob(experiment_of(deployment, policy).run(variant, concurrency), requests))
+    if isinstance(runner, SerialRunner):  # here: progress as each replay generates
+        results = runner.map(lambda job: _replay(job.run, job.requests, tracker), jobs)
+    else:
+        on_done = lambda idx, result: tracker.advance(_stage(jobs[idx].run), num_output_tokens(requests))  # noqa: E731
+        results = runner.map(replay_job, jobs, on_done)
+    return dict(zip(keys, results))
+
+
+def _stage(run: Run) -> str:
     variant = run.spec.variant
-    stage = variant if variant == "native" else f"{run.experiment.eviction.policy} {variant}"
+    return variant if variant == "native" else f"{run.experiment.eviction.policy} {variant}"
+
+
+def _replay(run: Run, requests: Sequence[Request], tracker: _Tracker) -> RunResult:
+    stage = _stage(run)
     num_done = 0
 
     def on_progress(num_units: int) -> None:

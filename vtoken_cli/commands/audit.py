@@ -25,9 +25,11 @@ from vtoken.audit import (
 from vtoken.errors import ConfigError
 from vtoken.measured import require_measured_audit
 from vtoken.policies import DEFAULT_AUDIT_POLICIES
+from vtoken.runners import make_runner
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    GPU_NAMES, MODEL_NAMES, POLICY_NAMES, TRACE_FORMAT_NAMES, Force, JsonOut, MaxRequests, Output, TimeUnit,
+    GPU_NAMES, MODEL_NAMES, POLICY_NAMES, TRACE_FORMAT_NAMES, Force, JsonOut, MaxRequests, Output, RayAddress, TimeUnit,
+    Workers,
     check_flags, resolve_policies,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
@@ -74,6 +76,8 @@ def audit_command(
     json_out: JsonOut = False,
     output: Output = None,
     force: Force = False,
+    workers: Workers = None,
+    ray: RayAddress = None,
 ) -> None:
     """Audit DEPLOYMENT: replay its workload (for a server, what it has served) on its KV block
     budget with naive eviction and with vToken, per policy, and report the waste, the trapped
@@ -131,10 +135,11 @@ def audit_command(
         trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
         frontier_max_concurrency=frontier_max, timeout_s=timeout, window_s=window, seed=seed,
     )
+    runner = make_runner(workers, ray)
     with progress_bar(stderr, 26, "audit") as bar:
         task = bar.add_task("reading the deployment", total=None)
         result = audit_deployment(deployments, overrides, lambda stage, done, total: bar.update(
-            task, completed=done, total=total, description=stage))
+            task, completed=done, total=total, description=stage), runner)
     require_measured_audit(result)
     is_one = len(result.replicas) == 1 and not result.failures
     payload = report_to_json(result.replicas[0]) if is_one else deployment_to_json(result)
