@@ -1,8 +1,9 @@
 """Speed-up of `--workers`: the quick start's compare (`vtoken compare
 sample_traces/azure_conv_sample.csv --num-blocks 2000`) with 1 and with N worker processes,
 alternating over rounds, no cache. Wall seconds of the whole command (start-up included),
-median and range per setting, and a check that every round printed the same JSON. Host
-seconds, not a test.
+median and range per setting, the speed-up of each round's pair (serial / workers) with its
+range, the load average the machine was under, and a check that every round printed the same
+JSON. Host seconds, not a test.
 
     python benchmarks/bench_workers.py [--rounds 3] [--workers 2]
 """
@@ -10,6 +11,7 @@ seconds, not a test.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -36,6 +38,7 @@ def main() -> None:
     settings = (1, args.workers)
     wall_s: dict[int, list[float]] = {n: [] for n in settings}
     outputs = set()
+    load = os.getloadavg()
     for round_idx in range(args.rounds):
         for num_workers in settings if round_idx % 2 == 0 else reversed(settings):
             elapsed, stdout = timed_run(num_workers)
@@ -46,7 +49,11 @@ def main() -> None:
         print(f"--workers {n}: median {statistics.median(wall_s[n]):.1f} s (range {min(wall_s[n]):.1f}-"
               f"{max(wall_s[n]):.1f} s) over {args.rounds} rounds")
     speedup = statistics.median(wall_s[1]) / statistics.median(wall_s[args.workers])
-    print(f"speed-up with {args.workers} workers: {speedup:.2f}x; identical JSON in every run: {len(outputs) == 1}")
+    pairs = [serial / parallel for serial, parallel in zip(wall_s[1], wall_s[args.workers])]
+    print(f"speed-up with {args.workers} workers: {speedup:.2f}x of the medians; per round {statistics.median(pairs):.2f}x "
+          f"(range {min(pairs):.2f}-{max(pairs):.2f}x); identical JSON in every run: {len(outputs) == 1}")
+    print(f"load average {', '.join(f'{x:.1f}' for x in load)} at the start, "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end, on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

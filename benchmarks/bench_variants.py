@@ -1,0 +1,79 @@
+"""Host time per variant on the whole Azure conversation trace, open loop: what `vtoken compare
+TRACE --open-loop --no-sweep --no-frontier --variants V` replays (default model, GPU and block
+budget, H2O at 50%). Host seconds, not a test.
+
+    python benchmarks/bench_variants.py [--azure PATH] [--rounds 2] [--max-requests N]
+
+The trace is read once; a short replay of every variant warms up (imports, first allocations)
+and is not counted; then each round replays every variant, the order reversed every other
+round, so that a slow spell of the machine hits all of them. Per variant: wall seconds
+(RunResult.host_time_s) and this process's CPU seconds, median and range over the rounds, and
+each median over native's. Every round must give the same results (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from vtoken import defaults
+from vtoken.compare import variant_to_json
+from vtoken.engine import VARIANTS, RunConfig, run_sim
+from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
+from vtoken.model_spec import resolve_model
+from vtoken.trace import load_trace, within_context
+
+ROOT = Path(__file__).resolve().parent.parent
+AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+NUM_WARMUP_REQUESTS = 100
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--azure", default=str(AZURE))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-requests", type=int, default=None, help="only the first N requests (a quick check)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
+    num_blocks = num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE)
+    trace = within_context(load_trace(args.azure, max_requests=args.max_requests), model.max_model_len)
+    requests = trace.requests
+    variants = args.variants.split(",")
+    base = RunConfig("native", model, gpu, num_blocks, concurrency=None)
+    print(f"{len(requests)} requests, open loop, {model.name} on {gpu.name}, {num_blocks} blocks, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start", flush=True)
+    for variant in variants:
+        run_sim(replace(base, variant=variant), requests[:NUM_WARMUP_REQUESTS])
+    wall_s: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_s: dict[str, list[float]] = {v: [] for v in variants}
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    for round_idx in range(args.rounds):
+        for variant in variants if round_idx % 2 == 0 else variants[::-1]:
+            started_cpu = time.process_time()
+            result = run_sim(replace(base, variant=variant), requests)
+            cpu_s[variant].append(time.process_time() - started_cpu)
+            wall_s[variant].append(result.host_time_s)
+            results[variant].append(variant_to_json(result))
+            print(f"round {round_idx + 1}: {variant:12s} {result.host_time_s:7.1f} s wall, {cpu_s[variant][-1]:7.1f} s CPU, "
+                  f"{result.num_decode_steps} decode steps, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"\n{'variant':12s} {'wall s (median, range)':>26s} {'CPU s (median, range)':>26s} {'wall / native':>13s} "
+          f"{'CPU / native':>12s}")
+    for variant in variants:
+        wall, cpu = wall_s[variant], cpu_s[variant]
+        ratios = ""
+        if "native" in variants:
+            ratios = (f"{statistics.median(wall) / statistics.median(wall_s['native']):13.2f} "
+                      f"{statistics.median(cpu) / statistics.median(cpu_s['native']):12.2f}")
+        print(f"{variant:12s} {statistics.median(wall):8.1f} ({min(wall):6.1f}-{max(wall):6.1f}) "
+              f"{statistics.median(cpu):13.1f} ({min(cpu):6.1f}-{max(cpu):6.1f}) {ratios}")
+    print(f"same results in every round: {all(all(r == rs[0] for r in rs) for rs in results.values())}; "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
