@@ -17,12 +17,11 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from vtoken import defaults
 from vtoken.compare import variant_to_json
-from vtoken.engine import VARIANTS, RunConfig, run_sim
+from vtoken.engine import VARIANTS, Experiment, run_sim
 from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
 from vtoken.model_spec import resolve_model
 from vtoken.trace import load_trace, within_context
@@ -44,18 +43,18 @@ def main() -> None:
     trace = within_context(load_trace(args.azure, max_requests=args.max_requests), model.max_model_len)
     requests = trace.requests
     variants = args.variants.split(",")
-    base = RunConfig("native", model, gpu, num_blocks, concurrency=None)
+    experiment = Experiment(model, gpu, num_blocks)
     print(f"{len(requests)} requests, open loop, {model.name} on {gpu.name}, {num_blocks} blocks, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start", flush=True)
     for variant in variants:
-        run_sim(replace(base, variant=variant), requests[:NUM_WARMUP_REQUESTS])
+        run_sim(experiment.run(variant, None), requests[:NUM_WARMUP_REQUESTS])
     wall_s: dict[str, list[float]] = {v: [] for v in variants}
     cpu_s: dict[str, list[float]] = {v: [] for v in variants}
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for round_idx in range(args.rounds):
         for variant in variants if round_idx % 2 == 0 else variants[::-1]:
             started_cpu = time.process_time()
-            result = run_sim(replace(base, variant=variant), requests)
+            result = run_sim(experiment.run(variant, None), requests)
             cpu_s[variant].append(time.process_time() - started_cpu)
             wall_s[variant].append(result.host_time_s)
             results[variant].append(variant_to_json(result))

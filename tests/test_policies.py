@@ -180,6 +180,19 @@ def test_attention_policies_need_their_scores(policy_name: str) -> None:
         make_policy(policy_name).select_victims(make_view(12, 7))
 
 
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_a_policy_reads_only_the_scores_it_names(policy_name: str) -> None:
+    """`score_fields` is what the sim computes for a policy: given only those, it decides as
+    with every score (and a policy that needs none names none)."""
+    rng = np.random.default_rng(3)
+    scores = {"attention_sum": rng.random(12).tolist(), "attention_last": rng.random(12).tolist(),
+              "importance_count": rng.integers(0, 4, 12).tolist()}
+    policy = make_policy(policy_name)
+    assert set(policy.score_fields) <= set(scores) and bool(policy.score_fields) == policy.needs_attention
+    only_named = make_view(12, 6, **{name: scores[name] for name in policy.score_fields})
+    assert policy.select_victims(only_named).tolist() == policy.select_victims(make_view(12, 6, **scores)).tolist()
+
+
 def test_streaming_llm_keeps_sinks_and_the_newest_tokens() -> None:
     view = make_view(12, 5, token_ids=[0, 1, 3, 4, 6, 7, 8, 10, 11], num_recent_tokens=2)
     assert StreamingLLM().select_victims(view).tolist() == [3, 4, 6, 7]

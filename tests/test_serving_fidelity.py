@@ -217,3 +217,34 @@ def test_pressure_packing_avoids_the_preemptions_lazy_packing_leaves():
     assert pressure.num_rounds == runtime.num_checked_rounds > 0
     assert pressure.num_blocks_freed == runtime.counters.blocks_reclaimed
     assert pressure.num_tokens_moved <= S * pressure.num_blocks_freed  # hole-fill: at most a block's worth each
+
+
+# ---- the synthetic attention's scores ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("beta", [1.0, 1.7])
+def test_the_sims_scores_are_the_documented_formulas(beta: float) -> None:
+    """attention_sum = w * sum_{d<=age} r(d), attention_last = w * r(age), importance_count =
+    queries of the window within max_age_j, from tables the executor keeps across requests and
+    lengths; a policy's `fields` only leave the others out."""
+    import numpy as np
+
+    profile = SimProfile(recency_beta=beta)
+    executor = SimExecutor(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), profile, seed=5)
+    tau = profile.recency_tau
+    for req_idx, num_tokens in ((0, 40), (1, 3000), (0, 700), (2, 1)):  # tables grow, then are reused
+        token_ids = np.flatnonzero(np.random.default_rng(num_tokens).random(num_tokens) < 0.6)
+        attention_sum, attention_last, importance_count = executor.attention_stats(req_idx, token_ids, num_tokens)
+        w = executor.importance(req_idx, num_tokens)[token_ids]
+        age = (num_tokens - 1 - token_ids).astype(np.float64)
+        recency = (1.0 + age / tau) ** -beta
+        cumulative = (1.0 + np.log1p(age / tau) * tau if beta == 1.0
+                      else 1.0 + tau * ((1.0 + age / tau) ** (1.0 - beta) - 1.0) / (1.0 - beta))
+        np.testing.assert_allclose(attention_last, w * recency, rtol=1e-12)
+        np.testing.assert_allclose(attention_sum, w * cumulative, rtol=1e-12)
+        max_age = np.floor(tau * ((w / profile.importance_threshold) ** (1.0 / beta) - 1.0))
+        first_query = max(0, num_tokens - profile.importance_window)
+        expected_count = [sum(1 for q in range(first_query, num_tokens) if 0 <= q - j <= a) for j, a in zip(token_ids, max_age)]
+        assert importance_count.tolist() == expected_count
+        only_sum = executor.attention_stats(req_idx, token_ids, num_tokens, ("attention_sum",))
+        assert only_sum[1] is None and only_sum[2] is None and np.array_equal(only_sum[0], attention_sum)
