@@ -26,7 +26,7 @@ import numpy as np
 from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint, frontier, frontier_num_tokens, interval,
                              sla_selection, sweep_jobs, sweep_points)
 from vtoken import defaults
-from vtoken.engine import VARIANTS, Experiment
+from vtoken.engine import VARIANTS, Experiment, SimProfile
 from vtoken.engine.hf_compare import MeasuredExtras
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
@@ -179,6 +179,18 @@ def num_progress_units(trace: Trace, options: CompareOptions, replayer: Replayer
     return units
 
 
+def step_times_json(profile: SimProfile, executor: str) -> dict:
+    """Where the run's step times come from: measured on a real engine, fitted to one by
+    `vtoken calibrate` (against what, when), or the sim's catalog roofline."""
+    if executor != "sim":
+        return {"source": "measured", "description": f"measured on the {executor} engine"}
+    model = profile.step_model
+    if model is None:
+        return {"source": "roofline", "description": profile.describe_step_times()}
+    return {"source": "calibrated", "description": profile.describe_step_times(),
+            "provenance": asdict(model.provenance) if model.provenance is not None else None}
+
+
 def report_to_json(report: CompareReport) -> dict:
     """The `--json` object: variants, sweep, sla, frontier, and what the run was."""
     cfg = report.experiment
@@ -197,6 +209,7 @@ def report_to_json(report: CompareReport) -> dict:
             "policy": cfg.eviction.policy, "budget": cfg.eviction.budget.describe(),
             "eviction_interval_tokens": cfg.eviction.interval_tokens, "reclaim": asdict(cfg.reclaim),
             "seed": cfg.seed, "repeats": report.options.repeats, "sim_profile": cfg.sim.as_dict(),
+            "step_times": step_times_json(cfg.sim, report.executor),
             "percentile_method": "linear", "executor": report.executor,
         },
         "variants": variants,

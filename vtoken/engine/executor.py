@@ -44,12 +44,20 @@ class StepLoad:
     num_decoding_requests: int  # each adds one slot and one live token per step
     num_prefill_tokens: int  # prompt tokens computed in the first step
     num_copied_tokens: int  # tokens relocated after this iteration's forward
+    num_prefill_requests: int = 0  # requests whose prompt (or a chunk of it) runs in the first step
+    num_prefill_kv_pairs: int = 0  # query-key pairs of those prompts' causal attention (prefill_kv_pairs)
 
 
 def kv_extent(table: TokenTable) -> int:
     """KV slots attention reads for `table`: (held blocks - 1) x S + the tail's written slots."""
     num_blocks = table.num_blocks
     return (num_blocks - 1) * table.block_size + table.tail_num_written if num_blocks else 0
+
+
+def prefill_kv_pairs(num_context_tokens: int, num_new_tokens: int) -> int:
+    """Query-key pairs of a causal prompt chunk: `num_new_tokens` queries after `num_context_tokens`
+    cached tokens, each reading the context and the chunk's tokens up to itself."""
+    return num_new_tokens * num_context_tokens + num_new_tokens * (num_new_tokens + 1) // 2
 
 
 class Executor(Protocol):

@@ -24,7 +24,7 @@ import numpy as np
 
 from vtoken.engine.config import Run
 from vtoken.engine.eviction import EvictionSchedule
-from vtoken.engine.executor import Executor, StepCostModel, StepLoad, kv_extent
+from vtoken.engine.executor import Executor, StepCostModel, StepLoad, kv_extent, prefill_kv_pairs
 from vtoken.engine.observer import NullObserver, RuntimeObserver
 from vtoken.engine.scheduler import Batch, ReqState, Scheduler, TableFactory
 from vtoken.invariants import check_plan
@@ -214,6 +214,8 @@ class Runtime:
             num_decoding_requests=len(batch.decode),
             num_prefill_tokens=sum(s.table.num_tokens for s in batch.prefill),
             num_copied_tokens=self._num_copied_tokens,
+            num_prefill_requests=len(batch.prefill),
+            num_prefill_kv_pairs=sum(prefill_kv_pairs(0, s.table.num_tokens) for s in batch.prefill),
         )
         self._num_copied_tokens = 0
         return self.executor.execute(batch, load)

@@ -1,6 +1,8 @@
 """The `sim` executor: a deterministic cost model for step time and a synthetic attention model.
 
-No model runs. A step's time is what a memory-bound decoder spends on a GPU from the catalog:
+No model runs. A step's time comes from a step model fitted to a real engine by `vtoken
+calibrate` when the profile carries one (`SimProfile.step_model`, vtoken/calibration/model.py),
+else from a roofline: what a memory-bound decoder spends on a GPU from the catalog:
 
     t_step = overhead_s
            + (weight_bytes + kv_bytes_read) / (hbm_bytes_per_s * hbm_efficiency)
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vtoken.calibration.model import Provenance, StepTimeModel
 from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores
 from vtoken.errors import ConfigError
 from vtoken.hardware import GpuSpec
@@ -80,6 +83,7 @@ class SimProfile:
     recency_beta: float = 1.0  # exponent of the recency decay
     importance_window: int = 64  # Scissorhands' history window W, in queries
     importance_threshold: float = 0.05  # a(q, j) at or above this marks j important for q
+    step_model: StepTimeModel | None = None  # fitted step times (vtoken calibrate); None: the roofline
 
     def __post_init__(self) -> None:
         if self.attention_reads not in ATTENTION_READS:
@@ -100,6 +104,14 @@ class SimProfile:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def describe_step_times(self) -> str:
+        """Where step times come from, in one line."""
+        model = self.step_model
+        if model is None:
+            return "catalog roofline estimates (not calibrated)"
+        where = model.provenance.describe() if model.provenance is not None else "an unnamed engine"
+        return f"calibrated against {where}"
+
 
 def load_sim_profile(path: str | Path) -> SimProfile:
     """Read a TOML profile whose keys are `SimProfile` fields (top level or under [sim])."""
@@ -109,15 +121,42 @@ def load_sim_profile(path: str | Path) -> SimProfile:
         raise ConfigError(f"{path}: sim profile not found") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    data = data.get("sim", data)
-    known = {f.name: f.type for f in fields(SimProfile)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(f"{path}: unknown sim profile key '{unknown[0]}'; known keys: {', '.join(known)}")
+    data = dict(data.get("sim", data))
+    _require_known_keys(data, SimProfile, path, "sim profile")
     try:
+        if "step_model" in data:
+            data["step_model"] = _step_model_from(data["step_model"], path)
         return replace(SimProfile(), **data)
     except TypeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _step_model_from(table: object, path: str | Path) -> StepTimeModel:
+    """[sim.step_model] with its [sim.step_model.provenance]."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: step_model must be a table, got {table!r}")
+    table = dict(table)
+    _require_known_keys(table, StepTimeModel, path, "step_model")
+    provenance = table.pop("provenance", None)
+    if provenance is not None:
+        if not isinstance(provenance, dict):
+            raise ConfigError(f"{path}: step_model.provenance must be a table, got {provenance!r}")
+        _require_known_keys(provenance, Provenance, path, "step_model.provenance")
+        try:
+            provenance = Provenance(**provenance)
+        except TypeError as exc:
+            raise ConfigError(f"{path}: step_model.provenance: {exc}") from None
+    missing = [f.name for f in fields(StepTimeModel) if f.name != "provenance" and f.name not in table]
+    if missing:
+        raise ConfigError(f"{path}: step_model is missing '{missing[0]}'")
+    return StepTimeModel(**table, provenance=provenance)
+
+
+def _require_known_keys(data: dict, cls: type, path: str | Path, what: str) -> None:
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{path}: unknown {what} key '{unknown[0]}'; known keys: {', '.join(known)}")
 
 
 class SimExecutor:
@@ -144,6 +183,10 @@ class SimExecutor:
         return self.iteration_time_s(load)
 
     def iteration_time_s(self, load: StepLoad) -> float:
+        step_model = self.profile.step_model
+        if step_model is not None:
+            copy_s = step_model.copy_time_s(load.num_copied_tokens)
+            return step_model.forward_time_s(load, self._reads_extent) + self._hidden(copy_s)
         k, n = load.num_decode_steps, load.num_decoding_requests
         first_step = load.num_kv_slots_read if self._reads_extent else load.num_live_kv_tokens
         # each decode's extent and its live tokens grow by one per fused step (eviction and
@@ -156,6 +199,10 @@ class SimExecutor:
     def copy_time_s(self, num_copied_tokens: int) -> float:
         """Critical-path time of relocating tokens: read + write of their K/V."""
         copy_s = 2 * num_copied_tokens * self.model.kv_bytes_per_token / self._kv_rate
+        return self._hidden(copy_s)
+
+    def _hidden(self, copy_s: float) -> float:
+        """What of a copy stays on the critical path past the post-forward window."""
         return copy_s if self.profile.sync_copy else max(0.0, copy_s - self.profile.copy_overlap_s)
 
     # ---- synthetic attention ---------------------------------------------------------------

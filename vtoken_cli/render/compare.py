@@ -217,6 +217,8 @@ def header_rows(report: CompareReport, model_line: str) -> list[tuple[str, str]]
         ("seed", seed),
         ("executor", report.executor),
     ]
+    if report.executor == "sim":
+        rows.append(("step times", cfg.sim.describe_step_times()))
     rows += [("note", n) for n in report.trace.notes]
     skipped = {name: len(r.skipped) for name, r in report.runs.items() if r.skipped}
     if skipped:

@@ -1,0 +1,144 @@
+"""The step-time model, its NNLS fit and the calibrated sim profile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vtoken.calibration.fit import MeasuredStep, fit_step_model, nnls_relative
+from vtoken.calibration.model import FEATURES, Provenance, StepTimeModel, step_features
+from vtoken.engine.executor import StepLoad, prefill_kv_pairs
+from vtoken.errors import ConfigError
+
+TRUE = StepTimeModel(overhead_s=4e-3, per_decode_token_s=2.5e-3, per_kv_slot_s=3e-7, per_prefill_token_s=1.2e-3,
+                     per_prefill_request_s=1e-3, per_prefill_kv_pair_s=2e-7, per_copied_token_s=5e-7)
+
+
+def decode(num_requests: int, context: int) -> StepLoad:
+    return StepLoad(1, num_requests * context, num_requests * context, num_requests, 0, 0)
+
+
+def prefill(prompts: list[int], num_decodes: int = 0, context: int = 0) -> StepLoad:
+    return StepLoad(1, num_decodes * context, num_decodes * context, num_decodes, sum(prompts), 0,
+                    num_prefill_requests=len(prompts), num_prefill_kv_pairs=sum(prefill_kv_pairs(0, p) for p in prompts))
+
+
+def grid_steps(model: StepTimeModel, noise: float, seed: int = 0) -> list[MeasuredStep]:
+    rng = np.random.default_rng(seed)
+    loads = [("decode", decode(b, c)) for b in (1, 2, 4, 8) for c in (64, 256, 1024)]
+    loads += [("prefill", prefill([p])) for p in (32, 128, 512, 1024)] + [("prefill", prefill([256, 256]))]
+    loads += [("mixed", prefill([p], b, 256)) for p in (64, 512) for b in (2, 8)]
+    loads += [("copy", StepLoad(1, 0, 0, 0, 0, n)) for n in (32, 256, 2048)]
+    steps = []
+    for _ in range(3):
+        for kind, load in loads:
+            exact = model.copy_time_s(load.num_copied_tokens) if kind == "copy" else model.forward_time_s(load)
+            steps.append(MeasuredStep(kind, load, exact * (1 + noise * rng.standard_normal())))
+    return steps
+
+
+def test_features_count_fused_decode_steps():
+    # 3 decodes at 100 slots each, 4 fused steps: slots 4 * 300 + 3 * (0 + 1 + 2 + 3)
+    load = StepLoad(4, 300, 300, 3, 0, 0)
+    assert step_features(load).tolist() == [4, 12, 1218, 0, 0, 0]
+    assert prefill_kv_pairs(0, 4) == 10 and prefill_kv_pairs(6, 2) == 15
+
+
+def test_fit_recovers_known_coefficients_without_noise():
+    fit = fit_step_model(grid_steps(TRUE, noise=0.0))
+    np.testing.assert_allclose(fit.model.coefficients, TRUE.coefficients, rtol=1e-6)
+    assert fit.model.per_copied_token_s == pytest.approx(TRUE.per_copied_token_s, rel=1e-9)
+    assert all(e.max_abs_rel_error < 1e-6 for e in fit.errors.values())
+
+
+def test_fit_recovers_known_coefficients_with_noise():
+    fit = fit_step_model(grid_steps(TRUE, noise=0.02, seed=1))
+    # the terms that carry most of the time come back within a few percent
+    for name in ("overhead_s", "per_decode_token_s", "per_prefill_token_s", "per_prefill_kv_pair_s"):
+        assert getattr(fit.model, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
+    assert fit.model.per_copied_token_s == pytest.approx(TRUE.per_copied_token_s, rel=0.05)
+    assert set(fit.errors) == {"decode", "prefill", "mixed", "copy"}
+    assert all(e.mean_abs_rel_error < 0.05 for e in fit.errors.values())
+    assert fit.errors["decode"].num_steps == 36
+
+
+def test_fit_never_gives_a_negative_coefficient():
+    # times that fall with the batch: least squares would give a negative per-token price
+    steps = [MeasuredStep("decode", decode(b, 64), 0.01 / b) for b in (1, 2, 4, 8, 16, 32, 64)]
+    fit = fit_step_model(steps)
+    assert np.all(fit.model.coefficients >= 0)
+    assert len(FEATURES) == fit.model.coefficients.size
+
+
+def test_fit_needs_enough_steps():
+    with pytest.raises(ConfigError, match="cannot fit"):
+        fit_step_model(grid_steps(TRUE, 0.0)[:3])
+
+
+def test_nnls_minimises_relative_error():
+    x = np.array([[1.0], [1.0]])
+    y = np.array([1.0, 3.0])
+    # relative: minimise (c-1)^2 + (c/3-1)^2 -> c = 1.2 (absolute least squares would give 2)
+    assert nnls_relative(x, y)[0] == pytest.approx(1.2)
+
+
+PROVENANCE = Provenance("vllm", "SmolLM2-135M-Instruct", "AMD EPYC \"x\"", 2, "2.13.0+cpu", "0.32.0", "cpu",
+                        "2026-12-01T12:00:00+00:00")
+
+
+def calibrated_profile():
+    from vtoken.calibration.grid import CalibrationGrid
+    from vtoken.calibration.profile import CalibrationProfile
+    from vtoken.engine.sim import SimProfile
+
+    fit = fit_step_model(grid_steps(TRUE, noise=0.01), PROVENANCE)
+    sim = SimProfile(sync_copy=True, step_model=fit.model)
+    return CalibrationProfile(sim, CalibrationGrid(num_rounds=2), {"block_size": 32, "max_num_batched_tokens": 4096},
+                              fit.errors, 60)
+
+
+def test_profile_round_trips_through_toml(tmp_path):
+    from vtoken.calibration.profile import load_calibration, profile_to_toml
+    from vtoken.engine.sim import load_sim_profile
+
+    profile = calibrated_profile()
+    path = tmp_path / "profile.toml"
+    path.write_text(profile_to_toml(profile))
+    assert load_sim_profile(path) == profile.sim  # what --sim-profile reads: every coefficient, bit for bit
+    assert load_calibration(path) == profile
+    assert load_sim_profile(path).describe_step_times().startswith("calibrated against vllm SmolLM2-135M-Instruct")
+
+
+def test_sim_costs_steps_with_the_fitted_model():
+    from vtoken.engine.sim import SimExecutor, SimProfile
+    from vtoken.hardware import resolve_gpu
+    from vtoken.model_spec import resolve_model
+
+    load = StepLoad(3, 900, 600, 4, 128, 256, num_prefill_requests=1, num_prefill_kv_pairs=prefill_kv_pairs(0, 128))
+    model, gpu = resolve_model("llama-3.1-8b"), resolve_gpu("a100-80gb")
+    fitted = SimExecutor(model, gpu, SimProfile(sync_copy=True, step_model=TRUE), 0)
+    assert fitted.iteration_time_s(load) == pytest.approx(TRUE.forward_time_s(load) + 256 * TRUE.per_copied_token_s)
+    # the gather kernel reads live tokens: 300 fewer slots at each of 3 steps
+    gather = SimExecutor(model, gpu, SimProfile(sync_copy=True, step_model=TRUE, attention_reads="live-tokens"), 0)
+    assert fitted.iteration_time_s(load) - gather.iteration_time_s(load) == pytest.approx(900 * TRUE.per_kv_slot_s)
+    hidden = SimExecutor(model, gpu, SimProfile(copy_overlap_s=1.0, step_model=TRUE), 0)
+    assert hidden.iteration_time_s(load) == pytest.approx(TRUE.forward_time_s(load))
+    assert SimProfile().describe_step_times() == "catalog roofline estimates (not calibrated)"
+
+
+def test_profile_errors_name_the_file(tmp_path):
+    from vtoken.calibration.profile import load_calibration
+    from vtoken.engine.sim import load_sim_profile
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sim.step_model]\noverhead_s = 0.1\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: step_model is missing 'per_decode_token_s'"):
+        load_sim_profile(bad)
+    bad.write_text("[sim.step_model]\noverhead_s = -1.0\n" + "".join(f"{n} = 0.0\n" for n in FEATURES[1:])
+                   + "per_copied_token_s = 0.0\n")
+    with pytest.raises(ConfigError, match="overhead_s must be a number >= 0"):
+        load_sim_profile(bad)
+    plain = tmp_path / "plain.toml"
+    plain.write_text("mfu = 0.4\n")
+    with pytest.raises(ConfigError, match="plain.toml: not a calibrated profile"):
+        load_calibration(plain)
