@@ -47,6 +47,16 @@ SCRATCH_FILES = {
     "bench-all-failed.json": json.dumps({**BENCH, "output_lens": [0] * len(BENCH["output_lens"])}),
     "bench-appended.json": json.dumps(BENCH) + "\n" + json.dumps(BENCH),
     "bench-truncated.json": json.dumps(BENCH)[:500],
+    "profile-broken.toml": "[sim\noverhead_s = 1\n",
+    "profile-roofline.toml": "[sim]\nmfu = 0.4\n",
+    "profile-negative.toml": ("[sim.step_model]\noverhead_s = -0.01\nper_decode_token_s = 0.001\nper_kv_slot_s = 0.0\n"
+                              "per_prefill_token_s = 0.0\nper_prefill_request_s = 0.0\nper_prefill_kv_pair_s = 0.0\n"
+                              "per_copied_token_s = 0.0\n"),
+    "profile-vllm.toml": ("[sim.step_model]\noverhead_s = 0.01\nper_decode_token_s = 0.001\nper_kv_slot_s = 0.0\n"
+                          "per_prefill_token_s = 0.0\nper_prefill_request_s = 0.0\nper_prefill_kv_pair_s = 0.0\n"
+                          "per_copied_token_s = 0.0\n[sim.step_model.provenance]\nengine = \"vllm\"\nmodel = \"m\"\n"
+                          "cpu = \"c\"\nnum_cores = 2\ntorch_version = \"t\"\nvllm_version = \"v\"\ndevice = \"cpu\"\n"
+                          "date = \"d\"\n"),
 }
 
 FAST_COMPARE = ["--max-requests", "3", "--no-sweep", "--no-frontier"]
@@ -54,6 +64,8 @@ COMPARE = ["compare", "trace.jsonl", *FAST_COMPARE]
 CHECK = ["check-invariants", "trace.jsonl", "--policy", "h2o", "--reclaim-mode", "ordered"]
 AUDIT = ["audit", "deploy.toml", "--max-requests", "3", "--policy", "h2o", "--frontier-max", "4"]
 SERVE = ["serve", "some-model", "--print-command"]
+CALIBRATE = ["calibrate", "--executor", "hf", "--model", "smollm2-135m"]
+VALIDATE = ["validate", "trace.jsonl", "--executor", "hf", "--model", "smollm2-135m"]
 
 # (argv, the text the one error line must hold): every case exits 2.
 CASES = {
@@ -188,6 +200,30 @@ CASES = {
     "serve-max-model-len": ([*SERVE, "--max-model-len", "0"], "--max-model-len must be > 0"),
     "serve-kv-cache-bytes": ([*SERVE, "--kv-cache-bytes", "0"], "--kv-cache-bytes must be > 0"),
     "serve-reclaim-mode": ([*SERVE, "--reclaim-mode", "x"], "'x'"),
+    # calibrate and validate: what fails before an engine starts
+    "calibrate-executor-sim": (["calibrate", "--executor", "sim", "--model", "smollm2-135m"],
+                               "--executor 'sim': calibrate runs a real engine, one of vllm, hf"),
+    "calibrate-rounds": ([*CALIBRATE, "--rounds", "0"], "--rounds must be > 0, got 0"),
+    "calibrate-model": (["calibrate", "--executor", "hf", "--model", "gpt-9"], "--model 'gpt-9': not 'smollm2-135m'"),
+    "calibrate-output-not-toml": ([*CALIBRATE, "--output", "afile"], "--output afile: a sim profile is a .toml file"),
+    "calibrate-output-exists": ([*CALIBRATE, "--output", "deploy.toml"], "deploy.toml exists; give --force"),
+    "calibrate-output-is-a-directory": ([*CALIBRATE, "--output", "dir.toml"], "dir.toml is a directory"),
+    "calibrate-output-no-folder": ([*CALIBRATE, "--output", "nowhere/p.toml"], "folder nowhere does not exist"),
+    "validate-executor-sim": (["validate", "trace.jsonl", "--executor", "sim", "--model", "smollm2-135m",
+                               "--sim-profile", "profile-vllm.toml"], "--executor 'sim': validate measures a real engine"),
+    "validate-missing-profile": ([*VALIDATE, "--sim-profile", "nope.toml"], "nope.toml: sim profile not found"),
+    "validate-malformed-profile": ([*VALIDATE, "--sim-profile", "profile-broken.toml"],
+                                   "profile-broken.toml: not valid TOML"),
+    "validate-uncalibrated-profile": ([*VALIDATE, "--sim-profile", "profile-roofline.toml"],
+                                      "profile-roofline.toml: not calibrated"),
+    "validate-negative-coefficient": ([*VALIDATE, "--sim-profile", "profile-negative.toml"],
+                                      "overhead_s must be a number >= 0"),
+    "validate-profile-of-another-engine": ([*VALIDATE, "--sim-profile", "profile-vllm.toml"],
+                                           "calibrated against vllm, not --executor hf"),
+    "validate-rounds": ([*VALIDATE, "--sim-profile", "profile-vllm.toml", "--rounds", "0"], "--rounds must be > 0"),
+    "validate-missing-trace": (["validate", "missing.jsonl", "--executor", "vllm", "--model", "smollm2-135m",
+                                "--sim-profile", "profile-vllm.toml"], "missing.jsonl: trace file not found"),
+    "compare-sim-profile-malformed": ([*COMPARE, "--sim-profile", "profile-broken.toml"], "not valid TOML"),
 }
 
 
@@ -198,6 +234,7 @@ def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     (tmp_path / "link").symlink_to("mine")
+    (tmp_path / "dir.toml").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(audit_module, "probe_gpus", lambda: NvmlReport((), "NVML not available: test"))
     return tmp_path
@@ -215,7 +252,8 @@ def listing(root: Path) -> dict[str, str]:
 
 def test_the_table_is_large_and_covers_every_command():
     assert len(CASES) >= 60
-    assert {argv[0] for argv, _ in CASES.values()} == {"compare", "check-invariants", "audit", "serve"}
+    assert {argv[0] for argv, _ in CASES.values()} == {"compare", "check-invariants", "audit", "serve", "calibrate",
+                                                        "validate"}
 
 
 PROGRESS_LINE = re.compile(r"^[a-z-]+: (\d+% of \S+ tokens|\S+ done), \d+ s elapsed")

@@ -24,20 +24,24 @@ _NO_ARGS = (click.exceptions.NoArgsIsHelpError, _typer_click.NoArgsIsHelpError)
 _ABORT = (click.exceptions.Abort, getattr(_typer_click, "Abort", click.exceptions.Abort))
 
 from vtoken_cli.commands.audit import audit_command
+from vtoken_cli.commands.calibrate import calibrate_command
 from vtoken_cli.commands.check import check_command
 from vtoken_cli.commands.compare import compare_command
 from vtoken_cli.commands.paper import paper_command
 from vtoken_cli.commands.serve import serve_command_line
 from vtoken_cli.commands.sweep import sweep_command
+from vtoken_cli.commands.validate import validate_command
 from vtoken_cli.console import one_line_errors, stderr, stdout
 
 COMMANDS = {
     "audit": audit_command,
+    "calibrate": calibrate_command,
     "check-invariants": check_command,
     "compare": compare_command,
     "paper": paper_command,
     "serve": serve_command_line,
     "sweep": sweep_command,
+    "validate": validate_command,
 }
 
 

@@ -111,3 +111,24 @@ def plot_policy_histogram(report: AuditReport, p: PolicyAudit, path: Path) -> No
     fig.suptitle(f"{Path(str(report.trace.source)).name} | {d.model.name} | {p.policy}, {d.budget.describe()} | "
                  f"{d.num_blocks:,} blocks of {d.block_size} tokens", fontsize=9)
     _save(fig, path)
+
+
+def plot_calibration(report, path: Path) -> None:
+    """Measured against predicted step time, one colour per kind of step, on log axes."""
+    from vtoken.calibration.fit import STEP_KINDS
+
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    colors = dict(zip(STEP_KINDS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    for kind in STEP_KINDS:
+        pairs = [(s.measured_s, p) for s, p in zip(report.steps, report.predicted_s) if s.kind == kind and p > 0]
+        if pairs:
+            measured, predicted = zip(*pairs)
+            ax.scatter(measured, predicted, s=14, alpha=0.7, color=colors[kind], label=f"{kind} ({len(pairs)})")
+    times = [t for s, p in zip(report.steps, report.predicted_s) for t in (s.measured_s, p) if t > 0]
+    low, high = min(times) / 1.5, max(times) * 1.5
+    ax.plot([low, high], [low, high], color="gray", linewidth=1, label="predicted = measured")
+    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured step time (s)",
+           ylabel="predicted step time (s)")
+    ax.set_title(report.profile.sim.describe_step_times().removeprefix("calibrated against "), fontsize=7, wrap=True)
+    ax.legend(fontsize=8)
+    _save(fig, path)

@@ -65,8 +65,10 @@ def set_engine_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def build_llm(spec: EngineSpec, settings: VllmSettings, stock: bool = False, record_events: bool = False):
-    """An in-process `vllm.LLM` with vToken's scheduler and worker (stock classes if `stock`)."""
+def build_llm(spec: EngineSpec, settings: VllmSettings, stock: bool = False, record_events: bool = False,
+              scheduler_cls: str = SCHEDULER_CLS):
+    """An in-process `vllm.LLM` with vToken's scheduler (or `scheduler_cls`, a subclass of it) and
+    worker (stock classes if `stock`)."""
     set_engine_env()
     from vllm import LLM
 
@@ -74,7 +76,7 @@ def build_llm(spec: EngineSpec, settings: VllmSettings, stock: bool = False, rec
 
     kwargs = spec.llm_kwargs()
     if not stock:
-        kwargs.update(scheduler_cls=SCHEDULER_CLS, worker_cls=WORKER_CLS,
+        kwargs.update(scheduler_cls=scheduler_cls, worker_cls=WORKER_CLS,
                       additional_config={CONFIG_KEY: settings.to_dict()})
     try:
         llm = LLM(**kwargs)
@@ -98,14 +100,15 @@ def model_runner_of(llm):
 
 
 @contextlib.contextmanager
-def open_llm(spec: EngineSpec, settings: VllmSettings, stock: bool = False, record_events: bool = False):
+def open_llm(spec: EngineSpec, settings: VllmSettings, stock: bool = False, record_events: bool = False,
+             scheduler_cls: str = SCHEDULER_CLS):
     """`build_llm` for a `with` block; the engine is shut down at its end.
 
     Through the in-process client's `shutdown`, which also detaches its finalizer: otherwise
     the finalizer runs when the old engine is collected, possibly after the next engine was
     built, and tears down the distributed groups that engine runs on.
     """
-    llm = build_llm(spec, settings, stock, record_events)
+    llm = build_llm(spec, settings, stock, record_events, scheduler_cls)
     try:
         yield llm
     finally:

@@ -28,6 +28,7 @@ on are in contract.py and the behaviour is tested in tests/vllm_tier/test_plugin
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import shutil
 import tempfile
@@ -81,15 +82,32 @@ def is_enabled(vllm_config) -> bool:
 
 
 def use_vtoken_classes(vllm_config) -> None:
-    """Point the config at vToken's scheduler and worker; refuse another custom class."""
+    """Point the config at vToken's scheduler (or keep a subclass of it) and worker; refuse
+    another custom class."""
     scheduler_config, parallel_config = vllm_config.scheduler_config, vllm_config.parallel_config
-    if scheduler_config.scheduler_cls not in (None, SCHEDULER_CLS):
+    if not _is_vtoken_scheduler(scheduler_config.scheduler_cls):
         raise RefusedAtStart(ConfigError(
             f"--scheduler-cls {scheduler_config.scheduler_cls} replaces vToken's scheduler; drop it"))
     if parallel_config.worker_cls not in (*_STOCK_WORKERS, WORKER_CLS):
         raise RefusedAtStart(ConfigError(f"--worker-cls {parallel_config.worker_cls} replaces vToken's worker; drop it"))
-    scheduler_config.scheduler_cls = SCHEDULER_CLS
+    if scheduler_config.scheduler_cls is None:
+        scheduler_config.scheduler_cls = SCHEDULER_CLS
     parallel_config.worker_cls = WORKER_CLS
+
+
+def _is_vtoken_scheduler(scheduler_cls) -> bool:
+    """None (vLLM's default), vToken's scheduler, or a subclass of it (the calibration's recorder)."""
+    if scheduler_cls in (None, SCHEDULER_CLS):
+        return True
+    if isinstance(scheduler_cls, str):
+        module_name, _, name = scheduler_cls.rpartition(".")
+        try:
+            scheduler_cls = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError, ValueError):
+            return False
+    from vtoken.engine.vllm.scheduler import VTokenScheduler
+
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, VTokenScheduler)
 
 
 def refuse_unsupported(vllm_config) -> None:
