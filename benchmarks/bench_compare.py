@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from vtoken.analysis import frontier, run_variants
 from vtoken.engine import Experiment, Runtime, SimExecutor
-from vtoken.engine.config import EvictionConfig
+from vtoken.engine.experiment import EvictionConfig
 from vtoken.policies.base import Budget
 from vtoken.hardware import resolve_gpu
 from vtoken.model_spec import resolve_model

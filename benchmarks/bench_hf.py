@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import torch
 
-from vtoken.engine.config import EvictionConfig, Experiment
+from vtoken.engine.experiment import EvictionConfig, Experiment
 from vtoken.engine.hf import HFRun, run_hf
 from vtoken.engine.hf_oracle import agreement, quality_vs_native
 from vtoken.hardware import resolve_gpu

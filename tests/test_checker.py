@@ -19,7 +19,7 @@ from vtoken.checker.contents import kv_content
 from vtoken.checker.copies import ReportAfterForwardCopyEngine, make_copy_engine
 from vtoken.checker.faults import FAULTS
 from vtoken.checker.observer import check_plan_independently
-from vtoken.engine.config import EvictionConfig, Experiment
+from vtoken.engine.experiment import EvictionConfig, Experiment
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.hardware import resolve_gpu
 from vtoken.kv.block_pool import BlockPool

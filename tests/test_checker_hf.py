@@ -20,7 +20,7 @@ from vtoken.checker import (
 from vtoken.checker import observer as observer_module
 from vtoken.checker.hf import TINY_MODEL_NAME, load_check_model
 from vtoken.checker.snapshots import ModelKVSnapshots
-from vtoken.engine.config import Experiment
+from vtoken.engine.experiment import Experiment
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer

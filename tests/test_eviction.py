@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from vtoken.engine import Experiment, Runtime, SimExecutor
-from vtoken.engine.config import EvictionConfig
+from vtoken.engine.experiment import EvictionConfig
 from vtoken.engine.eviction import EvictionClock, EvictionSchedule, build_view
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.engine.vllm.tracker import VTokenTracker

@@ -1,4 +1,4 @@
-"""An experiment and one run of it (vtoken/engine/config.py): what each validates, what a run
+"""An experiment and one run of it (vtoken/engine/experiment.py): what each validates, what a run
 shares with its experiment, and what differs between the runs of one experiment."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken.engine.config import EvictionConfig, Experiment, Run
+from vtoken.engine.experiment import EvictionConfig, Experiment, Run
 from vtoken.engine.sim import SimProfile
 from vtoken.engine.hf import NEVER, build_hf_runtime, prepare_requests, run_hf
 from vtoken.engine.hf_oracle import agreement, lcs_length, max_reference_error, quality_vs_native, rouge_l_f1, until_eos

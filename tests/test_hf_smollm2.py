@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from vtoken.engine.config import EvictionConfig, Experiment, Run
+from vtoken.engine.experiment import EvictionConfig, Experiment, Run
 from vtoken.engine.hf import run_hf
 from vtoken.engine.hf_oracle import agreement, max_reference_error, until_eos
 from vtoken.hardware import resolve_gpu

@@ -3,7 +3,7 @@
 - no module-level import cycle inside `vtoken/` or `vtoken_cli/` (imports inside functions and
   under `if TYPE_CHECKING:` run later or never, so they do not count);
 - `vtoken/` never imports typer or rich, anywhere in a file;
-- a run is made from an experiment in `vtoken/engine/config.py` only (`Experiment.run`,
+- a run is made from an experiment in `vtoken/engine/experiment.py` only (`Experiment.run`,
   `Run.with_variant`): no other module builds a `RunSpec` or `replace`s a `variant` in.
 """
 
@@ -195,8 +195,8 @@ def test_the_run_builder_detector_sees_both_forms():
     assert run_builders(tree) == [1, 2, 3]
 
 
-def test_only_the_config_module_makes_a_run_from_an_experiment():
-    config = ROOT / "vtoken" / "engine" / "config.py"
+def test_only_the_experiment_module_makes_a_run_from_an_experiment():
+    config = ROOT / "vtoken" / "engine" / "experiment.py"
     paths = [path for package in RUN_SOURCES for path in sorted((ROOT / package).rglob("*.py")) if path != config]
     offenders = [f"{path.relative_to(ROOT)}:{line}" for path in paths
                  for line in run_builders(ast.parse(path.read_text(), filename=str(path)))]

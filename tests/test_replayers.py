@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vtoken.compare import CompareOptions, compare, num_progress_units
-from vtoken.engine.config import EvictionConfig, Experiment, Run
+from vtoken.engine.experiment import EvictionConfig, Experiment, Run
 from vtoken.errors import ConfigError
 from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
 from vtoken.kv.reclaim import ReclaimConfig

@@ -17,7 +17,7 @@ from vtoken.audit import Overrides, audit
 from vtoken.audit import report_to_json as audit_report_to_json
 from vtoken.cache import RunCache, job_key
 from vtoken.compare import CompareOptions, compare, report_to_json
-from vtoken.engine.config import EvictionConfig, SchedulerConfig
+from vtoken.engine.experiment import EvictionConfig, SchedulerConfig
 from vtoken.engine.sim import SimProfile
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import ReclaimConfig

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vtoken.engine import Experiment, Run, Runtime, SimExecutor, run_sim
-from vtoken.engine.config import EvictionConfig
+from vtoken.engine.experiment import EvictionConfig
 from vtoken.hardware import resolve_gpu
 from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.model_spec import resolve_model

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.engine import Experiment, Run, Runtime, SimExecutor, SimProfile
-from vtoken.engine.config import EvictionConfig
+from vtoken.engine.experiment import EvictionConfig
 from vtoken.engine.executor import StepLoad, kv_extent
 from vtoken.errors import ConfigError
 from vtoken.hardware import resolve_gpu

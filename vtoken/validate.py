@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from vtoken.engine.config import Experiment, Run
+from vtoken.engine.experiment import Experiment, Run
 from vtoken.engine.sim import SimProfile
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult

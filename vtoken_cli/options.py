@@ -15,7 +15,7 @@ import typer
 from vtoken import defaults
 from vtoken.cache import RunCache, default_cache_dir
 from vtoken.engine import EvictionConfig, Experiment, SimProfile
-from vtoken.engine.config import VARIANTS
+from vtoken.engine.experiment import VARIANTS
 from vtoken.engine.sim import load_sim_profile
 from vtoken.errors import ConfigError
 from vtoken.hardware import GPUS, GpuSpec, num_blocks_for_gpu, resolve_gpu

@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from vtoken.checker import VLLM_CHECK_UNITS, CheckOptions, CheckReport, KVLayout, RunCheck, Tally, Violation
-from vtoken.engine.config import EvictionConfig, Experiment
+from vtoken.engine.experiment import EvictionConfig, Experiment
 from vtoken.hardware import resolve_gpu
 from vtoken.model_spec import resolve_model
 from vtoken.policies.base import Budget

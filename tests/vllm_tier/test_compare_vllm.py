@@ -16,7 +16,7 @@ pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
 from vtoken.checker import CheckOptions, TraceLimits, check_invariants  # noqa: E402
 from vtoken.checker.vllm import VLLM_NO_I4  # noqa: E402
 from vtoken.compare import CompareOptions, compare, report_to_json  # noqa: E402
-from vtoken.engine.config import EvictionConfig, Experiment  # noqa: E402
+from vtoken.engine.experiment import EvictionConfig, Experiment  # noqa: E402
 from vtoken.replay import make_replayer  # noqa: E402
 from vtoken.hardware import resolve_gpu  # noqa: E402
 from vtoken.kv.reclaim import ReclaimConfig  # noqa: E402

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-from vtoken.engine.config import Experiment, Run
+from vtoken.engine.experiment import Experiment, Run
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
 from vtoken.trace import Request

@@ -19,7 +19,7 @@ import numpy as np
 
 from vtoken.calibration.fit import MeasuredStep, step_kind
 from vtoken.calibration.grid import CalibrationGrid, Scenario, scenarios, warmup_scenario
-from vtoken.engine.config import Experiment
+from vtoken.engine.experiment import Experiment
 from vtoken.engine.executor import StepLoad
 from vtoken.engine.hf import HFExecutor, prepare_requests
 from vtoken.engine.runtime import Runtime

@@ -32,7 +32,7 @@ from vtoken.checker.scenarios import (
     SAMPLE_TRACES_DIR, TRACE_SUFFIXES, CheckOptions, Scenario, build_scenarios, bundled_sample_traces, fuzz_scenario,
     pressure_num_blocks, scale_requests,
 )
-from vtoken.engine.config import Experiment
+from vtoken.engine.experiment import Experiment
 from vtoken.errors import ConfigError
 from vtoken.trace import Trace
 

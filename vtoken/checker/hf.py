@@ -30,7 +30,7 @@ from vtoken.checker.observer import CheckingObserver, run_checked, torch_threads
 from vtoken.checker.report import CheckReport, KVLayout, RunCheck
 from vtoken.checker.scenarios import CheckOptions, Scenario, build_scenarios, bundled_sample_traces
 from vtoken.checker.snapshots import ModelKVSnapshots
-from vtoken.engine.config import Experiment
+from vtoken.engine.experiment import Experiment
 from vtoken.hardware import num_blocks_for_gpu
 from vtoken.models import LoadedModel, load_model
 from vtoken.trace import Trace, load_trace, num_output_tokens

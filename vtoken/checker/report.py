@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from vtoken.checker.names import CHECK_UNITS, FAULT_DETECTED_BY, INVARIANT_NAMES, INVARIANTS
 from vtoken.checker.scenarios import CheckOptions
-from vtoken.engine.config import Experiment
+from vtoken.engine.experiment import Experiment
 
 @dataclass(frozen=True)
 class KVLayout:

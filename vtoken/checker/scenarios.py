@@ -15,7 +15,7 @@ import numpy as np
 import vtoken
 from vtoken.checker.names import EXECUTORS, FAULT_KINDS, PRESSURE, TraceLimits
 from vtoken import defaults
-from vtoken.engine.config import EvictionConfig, Experiment, Run
+from vtoken.engine.experiment import EvictionConfig, Experiment, Run
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES

@@ -21,7 +21,7 @@ from vtoken.checker.faults import make_fault
 from vtoken.checker.observer import CheckingObserver, run_checked, torch_threads
 from vtoken.checker.report import CheckReport, RunCheck
 from vtoken.checker.scenarios import CheckOptions, Scenario, build_scenarios, bundled_sample_traces
-from vtoken.engine.config import Experiment
+from vtoken.engine.experiment import Experiment
 from vtoken.engine.runtime import Runtime
 from vtoken.engine.sim import SimExecutor
 from vtoken.hardware import num_blocks_for_gpu

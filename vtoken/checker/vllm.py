@@ -28,7 +28,7 @@ from vtoken.checker.faults import Fault, make_fault
 from vtoken.checker.names import INVARIANTS, VLLM_CHECK_UNITS
 from vtoken.checker.report import CheckReport, KVLayout, RunCheck, Tally, Violation
 from vtoken.checker.scenarios import CheckOptions, bundled_sample_traces, scale_requests
-from vtoken.engine.config import Experiment, Run
+from vtoken.engine.experiment import Experiment, Run
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.model_spec import model_spec_from_hf_config
 from vtoken.trace import Request, Trace, load_trace, num_output_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from vtoken.engine.config import VARIANTS, EvictionConfig, Experiment, Run, RunSpec, SchedulerConfig
+from vtoken.engine.experiment import VARIANTS, EvictionConfig, Experiment, Run, RunSpec, SchedulerConfig
 from vtoken.engine.runtime import Runtime
 from vtoken.engine.sim import SimExecutor, SimProfile
 from vtoken.metrics import RunResult

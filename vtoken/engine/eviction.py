@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.engine.config import EvictionConfig
+from vtoken.engine.experiment import EvictionConfig
 from vtoken.engine.executor import TokenScores
 from vtoken.kv.token_table import TokenTable
 from vtoken.policies.base import EvictionPolicy, RequestView

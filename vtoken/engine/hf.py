@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from vtoken.engine.config import Run
+from vtoken.engine.experiment import Run
 from vtoken.engine.hf_forward import PagedDecoder
 from vtoken.engine.observer import RuntimeObserver
 from vtoken.engine.runtime import PlannerFactory, Runtime

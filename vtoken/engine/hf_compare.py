@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from vtoken.engine.config import VARIANTS, Experiment
+from vtoken.engine.experiment import VARIANTS, Experiment
 from vtoken.metrics import RunResult
 from vtoken.rounds import Rounds, RoundsRecord, Spread, figure_spreads, median_round, run_rounds, spread_of
 from vtoken.trace import Request

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.engine.config import Run
+from vtoken.engine.experiment import Run
 from vtoken.engine.eviction import EvictionSchedule
 from vtoken.engine.executor import Executor, StepCostModel, StepLoad, kv_extent, prefill_kv_pairs
 from vtoken.engine.observer import NullObserver, RuntimeObserver

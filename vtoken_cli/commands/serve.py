@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from vtoken import defaults
-from vtoken.engine.config import VARIANTS
+from vtoken.engine.experiment import VARIANTS
 from vtoken.engine.vllm.serve import ServeOptions, run_server, serve_command, shell_line
 from vtoken.engine.vllm.settings import CONFIG_KEY, PREFIX_PROTECTIONS, settings_from_additional_config
 from vtoken.errors import ConfigError

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from vtoken.engine.config import VARIANTS, Experiment, Run
+from vtoken.engine.experiment import VARIANTS, Experiment, Run
 from vtoken.engine.vllm.engine import EngineSpec, open_llm, scheduler_of
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.errors import ConfigError

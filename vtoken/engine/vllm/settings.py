@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vtoken.engine.config import VARIANTS, EvictionConfig, VariantRole
+from vtoken.engine.experiment import VARIANTS, EvictionConfig, VariantRole
 from vtoken import defaults
 from vtoken.errors import ConfigError
 from vtoken.kv.reclaim import ReclaimConfig
