@@ -26,6 +26,9 @@ CUDA, no SmolLM2) is reported as skipped with the reason, never as passed.
                  the reference (H2O's attention rows are collected on the CPU backend only; their
                  reduction over the TP group is tested on two CPU ranks); skipped on one GPU
 8. speed         (vLLM + SmolLM2) benchmarks/bench_vllm.py at batch 4, fp16, block size 16
+9. calibrate     (vLLM + SmolLM2) `vtoken calibrate --executor vllm` on the GPU (DIR/gpu-smollm2.toml,
+                 its plot and steps), then `vtoken validate examples/validation_trace.jsonl` against
+                 it: passes when every validated figure of native and vtoken is within 10%
 """
 
 from __future__ import annotations
@@ -363,6 +366,32 @@ def check_speed(out: Path) -> dict:
     return {"passed": ratio <= 1.10, "x_native": ratio, "bench": result}
 
 
+def check_calibrate(out: Path) -> dict:
+    try:
+        import vllm  # noqa: F401
+        from vtoken.models.smollm2 import smollm2_dir
+
+        smollm2_dir()
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"needs vLLM and SmolLM2: {exc}"}
+    profile = out / "gpu-smollm2.toml"
+    vtoken = [sys.executable, "-c", "from vtoken_cli.app import main; main()"]
+    calibrate = subprocess.run([*vtoken, "calibrate", "--executor", "vllm", "--model", "smollm2-135m", "--rounds", "3",
+                                "--output", str(profile), "--json"], capture_output=True, text=True, timeout=600)
+    if calibrate.returncode:
+        return {"passed": False, "step": "calibrate", "error": calibrate.stderr[-2000:]}
+    validate = subprocess.run([*vtoken, "validate", str(ROOT / "examples" / "validation_trace.jsonl"), "--executor",
+                               "vllm", "--model", "smollm2-135m", "--sim-profile", str(profile), "--json"],
+                              capture_output=True, text=True, timeout=600)
+    if validate.returncode:
+        return {"passed": False, "step": "validate", "error": validate.stderr[-2000:]}
+    variants = json.loads(validate.stdout)["variants"]
+    errors = {f"{v}/{figure}": cell["rel_error"] for v, figures in variants.items() for figure, cell in figures.items()}
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    return {"passed": abs(errors[worst]) <= 0.10, "largest_error": {worst: errors[worst]},
+            "calibration": json.loads(calibrate.stdout), "validation": variants}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/vtoken-gpu")))
@@ -374,6 +403,7 @@ def main() -> int:
               ("soak", lambda: check_soak(args.out)), ("tensor-parallel", check_tensor_parallel)]
     if not args.skip_speed:
         checks.append(("speed", lambda: check_speed(args.out)))
+    checks.append(("calibrate", lambda: check_calibrate(args.out)))
     if not torch.cuda.is_available():
         for name, _ in checks:
             print(f"SKIP {name}: no CUDA device")
@@ -387,7 +417,7 @@ def main() -> int:
         except Exception:  # noqa: BLE001  (report every check, whatever breaks)
             results[name] = {"passed": False, "error": traceback.format_exc()[-3000:]}
         status = "SKIP" if "skipped" in results[name] else ("PASS" if results[name].get("passed") else "FAIL")
-        print(f"{status:4s} {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'bench'})[:400]}", flush=True)
+        print(f"{status:4s} {name}: {json.dumps({k: v for k, v in results[name].items() if k not in ('bench', 'calibration', 'validation')})[:400]}", flush=True)
     (args.out / "gpu_checks.json").write_text(json.dumps(results, indent=2, default=str))
     return 0 if all(r.get("passed", True) for k, r in results.items() if isinstance(r, dict)) else 1
 
