@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from vtoken import defaults
 from vtoken.compare import CompareOptions, compare, num_progress_units
 from vtoken.engine.experiment import EvictionConfig, Experiment, Run
 from vtoken.errors import ConfigError
@@ -89,7 +90,9 @@ def test_hf_sizes_the_budget_for_concurrency_full_length_requests(tiny_model) ->
 def test_hf_cannot_repeat_and_skips_the_sweep_and_frontier(tiny_model) -> None:
     with pytest.raises(ConfigError, match="--repeats applies to the sim executor; --executor hf runs once"):
         compare(TRACE, make_experiment(), CompareOptions((1,), repeats=2, concurrency=4), HFReplayer(tiny_model))
-    assert num_progress_units(TRACE, CompareOptions((1, 2)), HFReplayer(tiny_model)) == 3 * sum(r.num_output_tokens for r in REQUESTS)
+    replays = defaults.MEASURED_WARMUP + defaults.MEASURED_ROUNDS  # per variant: the warm-up replays are work too
+    assert (num_progress_units(TRACE, CompareOptions((1, 2)), HFReplayer(tiny_model))
+            == replays * 3 * sum(r.num_output_tokens for r in REQUESTS))
 
 
 def test_a_default_compare_replays_each_distinct_run_once() -> None:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vtoken.analysis import Frontier
-from vtoken.compare import CompareReport
+from vtoken.compare import CompareReport, step_times_json
 from vtoken.hardware import GiB
 from vtoken.rounds import RoundsRecord, Spread, run_figures
 from vtoken_cli.render.common import WideOrNarrow, definitions_table, fields_panel, figure_table, histograms, titled
@@ -216,9 +216,8 @@ def header_rows(report: CompareReport, model_line: str) -> list[tuple[str, str]]
         ("arrivals", arrivals_phrase(report.options.concurrency)),
         ("seed", seed),
         ("executor", report.executor),
+        ("step times", step_times_json(cfg.sim, report.executor)["description"]),
     ]
-    if report.executor == "sim":
-        rows.append(("step times", cfg.sim.describe_step_times()))
     rows += [("note", n) for n in report.trace.notes]
     skipped = {name: len(r.skipped) for name, r in report.runs.items() if r.skipped}
     if skipped:
