@@ -18,10 +18,10 @@ from vtoken.endpoint import (
     Histogram,
     LiveState,
     parse_metrics,
-    redact_url,
     scrape,
 )
 from vtoken.errors import ConfigError, EndpointError
+from vtoken.http_get import redact_url
 
 FIXTURE_TEXT = (Path(__file__).parent / "data" / "vllm-0.32-cpu-metrics.txt").read_text()
 MODELS_JSON = json.dumps(

@@ -22,30 +22,21 @@ and the workload derivation raises with it when it needs that histogram.
 
 from __future__ import annotations
 
-import base64
-import http.client
 import json
-import re
-import socket
-import time
-import urllib.error
-import urllib.request
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from statistics import fmean
-from urllib.parse import unquote, urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from vtoken.errors import ConfigError, EndpointError
+from vtoken.http_get import Target, decode_text, fetch, one_line, parse_target
 
 OLD_SERVER_HINT = "pass --block-size, --num-blocks and --model instead"
-MAX_BODY_BYTES = 64 << 20
-_READ_CHUNK_BYTES = 1 << 16
 _VTOKEN_PREFIXES = ("vtoken_", "vtoken:")
-_MAX_CAUSE_CHARS = 160
 PROMPT_TOKENS_HISTOGRAM = "vllm:request_prompt_tokens"
 GENERATION_TOKENS_HISTOGRAM = "vllm:request_generation_tokens"
 
@@ -128,18 +119,6 @@ class LiveState:
     scraped_at_s: float = field(default=0.0, compare=False)
 
 
-@dataclass(frozen=True)
-class _Target:
-    base_url: str  # scheme://host[:port][/prefix], no credentials, no trailing slash
-    host: str
-    auth_header: str | None  # "Basic ..." built from user:password@, never shown
-
-
-def redact_url(url: str) -> str:
-    """Return `url` without its `user:password@` part; everything else is left as written."""
-    return re.sub(r"^((?:[A-Za-z][A-Za-z0-9+.\-]*:)?//)?[^/?#]*@", r"\1", url)
-
-
 def scrape(url: str, timeout_s: float = 5.0) -> LiveState:
     """Read `/metrics` and `/v1/models` of the vLLM server at `url`.
 
@@ -156,10 +135,10 @@ def scrape(url: str, timeout_s: float = 5.0) -> LiveState:
     """
     if not timeout_s > 0:
         raise ConfigError(f"timeout must be > 0 seconds, got {timeout_s}")
-    target = _parse_target(url)
+    target = parse_target(url)
     deadline = time.monotonic() + timeout_s
     metrics_url = target.base_url + "/metrics"
-    text = _decode_text(_fetch(target, "/metrics", deadline, timeout_s), metrics_url)
+    text = decode_text(fetch(target, "/metrics", deadline, timeout_s), metrics_url)
     scraped_at_s = time.monotonic()
     cache_config, metrics = parse_metrics(text, metrics_url)
     model_name, max_model_len, models_note = _read_models(target, deadline, timeout_s)
@@ -207,7 +186,7 @@ def _parse_samples(text: str, source: str) -> list[Sample]:
     # The parser is third-party code over untrusted input and raises ValueError, IndexError
     # and others on garbage; all of them mean the same thing here.
     except Exception as err:  # noqa: BLE001
-        raise EndpointError(f"{source}: body is not Prometheus text: {_short(err)}") from None
+        raise EndpointError(f"{source}: body is not Prometheus text: {one_line(err)}") from None
     samples = [sample for family in families for sample in family.samples]
     if not samples:
         raise EndpointError(f"{source}: body is not Prometheus text: no samples in it")
@@ -296,7 +275,7 @@ def _histogram(samples: list[Sample], name: str) -> tuple[Histogram | None, str 
         try:
             bound = float(sample.labels["le"])
         except (KeyError, ValueError):
-            return None, f"a {name}_bucket sample has no numeric le label: {_short(sample.labels)}"
+            return None, f"a {name}_bucket sample has no numeric le label: {one_line(sample.labels)}"
         if bound in buckets:
             return None, f"{name}_bucket has le={_bound(bound)} twice (two series in one engine?)"
         buckets[bound] = float(sample.value)
@@ -381,100 +360,13 @@ def _label_bool(labels: dict[str, str], key: str) -> bool | None:
     return {"true": True, "false": False}.get((_label_str(labels, key) or "").lower())
 
 
-def _parse_target(url: str) -> _Target:
-    shown = redact_url(url.strip())
-    if "://" not in shown:
-        raise ConfigError(f"{shown}: no scheme; use http://{shown} or https://{shown}")
-    try:
-        parts = urlsplit(url.strip())
-        parts.port  # noqa: B018 -- urlsplit checks the port only when it is read
-    except ValueError as err:
-        raise ConfigError(f"{shown}: not a usable URL: {_short(err)}") from None
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ConfigError(f"{shown}: unsupported scheme {parts.scheme!r}; use http:// or https://")
-    if not parts.hostname:
-        raise ConfigError(f"{shown}: no host in the URL")
-    path = parts.path.rstrip("/")
-    for suffix in ("/metrics", "/v1"):
-        path = path.removesuffix(suffix)
-    auth = None
-    if parts.username is not None:
-        userpass = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-        auth = "Basic " + base64.b64encode(userpass.encode()).decode("ascii")
-    hostport = parts.netloc.rpartition("@")[2]
-    return _Target(f"{parts.scheme.lower()}://{hostport}{path}", parts.hostname, auth)
-
-
-def _fetch(target: _Target, path: str, deadline: float, timeout_s: float) -> bytes:
-    """GET base_url + path before `deadline` (time.monotonic()); EndpointError on any failure."""
-    url = target.base_url + path
-    headers = {"User-Agent": "vtoken", "Accept": "text/plain, application/json"}
-    if target.auth_header is not None:
-        headers["Authorization"] = target.auth_header
-    remaining_s = deadline - time.monotonic()
-    if remaining_s <= 0:
-        raise EndpointError(f"{url}: no answer within {timeout_s:g} s")
-    request = urllib.request.Request(url, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=remaining_s) as response:
-            return _read_body(response, url, deadline, timeout_s)
-    except urllib.error.HTTPError as err:
-        err.close()
-        raise EndpointError(f"{url}: HTTP {err.code} {_short(err.reason)}") from None
-    except urllib.error.URLError as err:
-        cause = _describe(err.reason, target.host, timeout_s)
-        raise EndpointError(f"{url}: {cause}") from None
-    # ValueError: a host name that IDNA cannot encode (a label over 63 characters, ...).
-    except (OSError, http.client.HTTPException, ValueError) as err:
-        raise EndpointError(f"{url}: {_describe(err, target.host, timeout_s)}") from None
-
-
-def _read_body(
-    response: http.client.HTTPResponse, url: str, deadline: float, timeout_s: float
-) -> bytes:
-    # Each read is bounded by the socket timeout set at connect time; read1 returns what one
-    # recv got, so checking the deadline between chunks also cuts off a server that trickles
-    # bytes (read() would wait for a full chunk, resetting the socket timeout at every byte).
-    chunks: list[bytes] = []
-    num_bytes = 0
-    while chunk := response.read1(_READ_CHUNK_BYTES):
-        chunks.append(chunk)
-        num_bytes += len(chunk)
-        if num_bytes > MAX_BODY_BYTES:
-            raise EndpointError(f"{url}: body larger than {MAX_BODY_BYTES >> 20} MiB")
-        if time.monotonic() > deadline:
-            raise EndpointError(f"{url}: no complete answer within {timeout_s:g} s")
-    return b"".join(chunks)
-
-
-def _describe(cause: object, host: str, timeout_s: float) -> str:
-    if isinstance(cause, TimeoutError):
-        return f"no answer within {timeout_s:g} s"
-    if isinstance(cause, socket.gaierror):
-        return f"cannot resolve host {host!r} ({cause.strerror})"
-    if isinstance(cause, ConnectionRefusedError):
-        return "connection refused (is the server running on that port?)"
-    if isinstance(cause, http.client.RemoteDisconnected):
-        return "server closed the connection without answering"
-    if isinstance(cause, BaseException):
-        return f"{type(cause).__name__}: {_short(cause)}"
-    return _short(cause)
-
-
-def _decode_text(body: bytes, url: str) -> str:
-    try:
-        return body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise EndpointError(f"{url}: body is not Prometheus text: not UTF-8") from None
-
-
 def _read_models(
-    target: _Target, deadline: float, timeout_s: float
+    target: Target, deadline: float, timeout_s: float
 ) -> tuple[str | None, int | None, str | None]:
     """(model_name, max_model_len, None), or (None, None, why /v1/models was unusable)."""
     url = target.base_url + "/v1/models"
     try:
-        body = _fetch(target, "/v1/models", deadline, timeout_s)
+        body = fetch(target, "/v1/models", deadline, timeout_s)
     except EndpointError as err:
         return None, None, str(err)
     try:
@@ -487,9 +379,3 @@ def _read_models(
     max_model_len = first.get("max_model_len")
     is_int = isinstance(max_model_len, int) and not isinstance(max_model_len, bool)
     return model_name, max_model_len if is_int else None, None
-
-
-def _short(value: object) -> str:
-    """One line of at most _MAX_CAUSE_CHARS characters: messages must stay one line."""
-    line = " ".join(str(value).split())
-    return line if len(line) <= _MAX_CAUSE_CHARS else line[: _MAX_CAUSE_CHARS - 3] + "..."

@@ -47,7 +47,8 @@ from vtoken.audit.report import (
 from vtoken.audit.settings import DEFAULT_TIMEOUT_S, Overrides, Settings, load_settings
 from vtoken.audit.watch import scrape_all
 from vtoken.audit.workload import EDGES, MAX_SYNTHETIC_REQUESTS, ReplicaWorkload, ServerWorkload
-from vtoken.endpoint import LiveState, redact_url
+from vtoken.endpoint import LiveState
+from vtoken.http_get import redact_url
 from vtoken.errors import EndpointError
 from vtoken.nvml import NvmlReport, probe_gpus
 from vtoken.runners import Runner

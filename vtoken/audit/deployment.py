@@ -44,7 +44,8 @@ from vtoken.defaults import (  # the names vtoken.audit has always exported
     SEED,
     VLLM_RECLAIM_INTERVAL_STEPS,
 )
-from vtoken.endpoint import OLD_SERVER_HINT, LiveState, redact_url, scrape
+from vtoken.endpoint import OLD_SERVER_HINT, LiveState, scrape
+from vtoken.http_get import redact_url
 from vtoken.errors import ConfigError, EndpointError
 from vtoken.hardware import GpuSpec
 from vtoken.kv.reclaim import ReclaimConfig

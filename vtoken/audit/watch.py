@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vtoken.audit.workload import counter_delta
-from vtoken.endpoint import LiveState, redact_url, scrape
+from vtoken.endpoint import LiveState, scrape
+from vtoken.http_get import redact_url
 from vtoken.errors import EndpointError
 
 UTILIZATION_METRIC = "vtoken_block_utilization_blocks"  # one gauge per bin label "0".."9": tenths of u
