@@ -14,8 +14,9 @@ from vtoken.invariants import check_conservation, check_contents, check_plan, ch
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
+from vtoken.kv.moves import Moves
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
-from vtoken.kv.token_table import Moves, TokenTable
+from vtoken.kv.token_table import TokenTable
 
 S = 4
 

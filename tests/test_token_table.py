@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from vtoken.errors import VTokenError
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.token_table import Moves, TokenTable
+from vtoken.kv.moves import Moves
+from vtoken.kv.token_table import TokenTable
 
 S = 4
 

@@ -39,8 +39,9 @@ from vtoken.checker.names import FAULT_DETECTED_BY, FAULT_KINDS  # noqa: F401  (
 from vtoken.errors import ConfigError
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.moves import Moves
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
-from vtoken.kv.token_table import Moves, TokenTable
+from vtoken.kv.token_table import TokenTable
 
 PlannerFactory = Callable[[ReclaimConfig, BlockPool], Reclaimer]  # as vtoken.engine.runtime's
 TableFactory = Callable[[int, BlockPool, int], TokenTable]  # (req_id, pool, capacity), as vtoken.engine.scheduler's

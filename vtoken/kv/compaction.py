@@ -24,8 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import ConfigError, VTokenError
+from vtoken.kv.moves import Moves
 from vtoken.kv.reclaim import RECLAIM_MODES
-from vtoken.kv.token_table import Moves, TokenTable
+from vtoken.kv.token_table import TokenTable
 
 
 def live_positions(table: TokenTable) -> tuple[np.ndarray, np.ndarray]:

@@ -43,7 +43,8 @@ from vtoken import defaults
 from vtoken.errors import ConfigError
 from vtoken.kv.arrays import block_slots
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.token_table import Moves, TokenTable
+from vtoken.kv.moves import Moves
+from vtoken.kv.token_table import TokenTable
 
 RECLAIM_MODES = ("hole-fill", "ordered")
 

@@ -1,0 +1,29 @@
+"""Token relocations of one request: what the reclaimer and the compaction planner decide,
+what the copy engine copies, and what `TokenTable.apply_moves` repoints afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Moves:
+    """Token relocations of one request, one entry per moved token (int64 arrays, same length)."""
+
+    token_ids: np.ndarray
+    src_block_ids: np.ndarray
+    src_offsets: np.ndarray
+    dst_block_ids: np.ndarray
+    dst_offsets: np.ndarray
+
+    @property
+    def num_moves(self) -> int:
+        return int(self.token_ids.size)
+
+    def src_slots(self, block_size: int) -> np.ndarray:
+        return self.src_block_ids * block_size + self.src_offsets
+
+    def dst_slots(self, block_size: int) -> np.ndarray:
+        return self.dst_block_ids * block_size + self.dst_offsets

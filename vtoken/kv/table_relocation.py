@@ -1,0 +1,148 @@
+"""Relocation and release verbs of the token table: adopt destination blocks, repoint moved
+tokens after their copy, give back blocks that hold no live token.
+
+A mixin of `TokenTable` (token_table.py owns the state these methods read and write). The
+reclaimer decides the moves and the copy engine moves the data first; these verbs only change
+the mapping, and each checks its whole input before changing anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtoken.errors import VTokenError
+from vtoken.kv.arrays import block_slots, is_distinct, positions_in, sum_by_block
+from vtoken.kv.moves import Moves
+
+
+class RelocationVerbs:
+    """`TokenTable`'s relocation and release verbs (state in token_table.py)."""
+
+    def adopt_blocks(self, block_ids: np.ndarray) -> None:
+        """Take freshly allocated relocation destinations; they sit before the tail."""
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        if block_ids.size == 0:
+            return
+        self.flush()
+        held = self._held[: self._num_held]
+        tail = held[-1:].copy()
+        tail_slot, cursor = self._tail_slot, self.tail_num_written
+        self._num_held -= tail.size
+        self._push_held(np.concatenate((block_ids, tail)))
+        if tail.size:
+            self._tail_slot, self.tail_num_written = tail_slot, cursor
+        self.layout_version += 1
+
+    def apply_moves(self, moves: Moves) -> None:
+        """Repoint moved tokens to their destination slots. Only after their copy completed.
+
+        Every move's source must be the token's current slot and no destination may hold a live
+        token that stays; otherwise nothing changes and VTokenError is raised. A token evicted
+        while its copy was in flight is repointed without live-count changes.
+        """
+        if moves.num_moves == 0:
+            return
+        self.flush()
+        self._check_moves(moves)
+        ids = moves.token_ids
+        src_slots, dst_slots = moves.src_slots(self.block_size), moves.dst_slots(self.block_size)
+        live = self._live[ids]
+        if live.any():
+            num_live = int(np.count_nonzero(live))
+            blocks, deltas = sum_by_block(np.concatenate((moves.src_block_ids[live], moves.dst_block_ids[live])),
+                                           np.concatenate((np.full(num_live, -1, np.int64), np.ones(num_live, np.int64))))
+            self.pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
+            self._token_at[src_slots[live]] = -1  # every source first: a destination may be another's source
+            self._token_at[dst_slots[live]] = ids[live]
+            self._cache.is_valid = False
+        self._slot[ids] = dst_slots
+        self.layout_version += 1
+
+    def _check_moves(self, moves: Moves) -> None:
+        ids = moves.token_ids
+        if not ids.size:
+            return
+        if ids.min() < 0 or ids.max() >= self.num_tokens or not is_distinct(ids):
+            raise VTokenError(f"request {self.req_id}: moves name unknown or repeated tokens")
+        stale = self._slot[ids] != moves.src_slots(self.block_size)
+        if stale.any():
+            token_id = int(ids[stale][0])
+            raise VTokenError(f"request {self.req_id}: move of token {token_id} names a source it does not occupy")
+        dst_block_ids = moves.dst_block_ids
+        held = positions_in(self._held[: self._num_held], dst_block_ids) >= 0
+        if not held.all():
+            raise VTokenError(f"request {self.req_id}: move into block {int(dst_block_ids[~held][0])} it does not hold")
+        # a destination is taken when a live token that does not move away sits there
+        dst_slots = moves.dst_slots(self.block_size)
+        occupant = self._token_at[dst_slots]
+        occupied = occupant >= 0
+        if occupied.any():
+            moving = set(ids[self._live[ids]].tolist())
+            occupied[occupied] = [token_id not in moving for token_id in occupant[occupied].tolist()]
+        if occupied.any() or not is_distinct(dst_slots):
+            slot = int(dst_slots[occupied][0]) if occupied.any() else int(dst_slots[0])
+            raise VTokenError(f"request {self.req_id}: move onto occupied slot {slot} (block {slot // self.block_size}, offset {slot % self.block_size})")
+
+    def release_blocks(self, block_ids: np.ndarray) -> None:
+        """Forget blocks that hold no live token of this request (the caller frees them).
+
+        When the tail goes, the cursor moves to the end of the last live token of the new tail.
+        """
+        released = np.asarray(block_ids, dtype=np.int64).ravel()
+        if released.size == 0:
+            return
+        if not is_distinct(released):
+            released = np.unique(released)
+        self.flush()
+        held = self._held[: self._num_held]
+        positions = positions_in(held, released)
+        if np.any(positions < 0):
+            raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released[positions < 0].tolist())}")
+        if self.live_ids_in(released).size:
+            raise VTokenError(f"request {self.req_id}: releasing blocks that still hold live tokens")
+        tail_released = bool(np.any(positions == self._num_held - 1))
+        kept = np.delete(held, positions)
+        self._num_held = kept.size
+        self._held[: kept.size] = kept
+        if tail_released:
+            self._tail_slot = int(kept[-1]) * self.block_size if kept.size else 0
+            self.tail_num_written = self._cursor_after_last_live()
+        self.layout_version += 1
+
+    def set_tail_cursor(self, num_written: int) -> None:
+        """Move the append cursor of the tail block, after a compaction packed its live tokens
+        into the first `num_written` offsets (as an engine that writes new tokens right after
+        the live ones expects). Raises, changing nothing, if a live token sits at or past it."""
+        self.flush()
+        if not self._num_held or not 0 <= num_written <= self.block_size:
+            raise VTokenError(f"request {self.req_id}: cannot set the tail cursor to {num_written}")
+        if (self._token_at[self._tail_slot + num_written : self._tail_slot + self.block_size] >= 0).any():
+            raise VTokenError(f"request {self.req_id}: a live token sits at or past tail offset {num_written}")
+        self.tail_num_written = num_written
+        self.layout_version += 1
+
+    def live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
+        """Live tokens stored in `block_ids`, in logical order, from the pool's reverse map."""
+        self.flush()
+        token_ids = self._token_at[block_slots(block_ids, self.block_size)]
+        return np.sort(token_ids[token_ids >= 0])
+
+    def _cursor_after_last_live(self) -> int:
+        if not self._num_held:
+            return 0
+        in_tail = np.flatnonzero(self._token_at[self._tail_slot : self._tail_slot + self.block_size] >= 0)
+        return int(in_tail[-1]) + 1 if in_tail.size else 0
+
+    def release_all(self) -> list[int]:
+        """Drop every block (request finished or preempted); returns them for the caller to free."""
+        self.flush()
+        block_ids = self._held[: self._num_held].tolist()
+        self._num_held = 0
+        self._live[: self.num_tokens] = False
+        self._num_dead = self.num_tokens
+        self._cache.is_valid = False
+        self.num_pinned_tokens = 0  # nothing held, nothing pinned
+        self.tail_num_written = 0
+        self._tail_slot = 0
+        self.layout_version += 1
+        return block_ids
