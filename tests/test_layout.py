@@ -4,7 +4,9 @@
   under `if TYPE_CHECKING:` run later or never, so they do not count);
 - `vtoken/` never imports typer or rich, anywhere in a file;
 - a run is made from an experiment in `vtoken/engine/experiment.py` only (`Experiment.run`,
-  `Run.with_variant`): no other module builds a `RunSpec` or `replace`s a `variant` in.
+  `Run.with_variant`): no other module builds a `RunSpec` or `replace`s a `variant` in;
+- a private method of vtoken's (`def _name`) is called on `self`, `cls` or `super()` only: what
+  one object hands another (a replayer's loaded model, the runner's copy) is public and documented.
 """
 
 from __future__ import annotations
@@ -203,3 +205,38 @@ def test_only_the_experiment_module_makes_a_run_from_an_experiment():
 
     assert offenders == []
     assert run_builders(ast.parse(config.read_text())) != []  # the detector still sees the one place
+
+
+def private_method_calls(tree: ast.AST, private_names: set[str]) -> list[tuple[int, str]]:
+    """(line, call) of every call `x._name(...)` with `_name` in `private_names` on anything but
+    `self`, `cls` or `super()`."""
+    calls = []
+    for node in ast.walk(tree):
+        is_method_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        if not is_method_call or node.func.attr not in private_names:
+            continue
+        owner = node.func.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        calls.append((node.lineno, ast.unparse(node.func)))
+    return calls
+
+
+def test_the_private_call_detector_sees_another_objects_private_method():
+    tree = ast.parse("replayer._loaded()\nself._loaded()\nsuper()._loaded()\ncls._loaded()\nx.loaded()\n"
+                     "a.b._folder(1)\nobj._other()\n")
+
+    assert private_method_calls(tree, {"_loaded", "_folder"}) == [(1, "replayer._loaded"), (6, "a.b._folder")]
+
+
+def test_no_module_calls_a_private_method_of_another_object():
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in source_files().items()}
+    private_names = {node.name for tree in trees.values() for node in ast.walk(tree)
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and node.name.startswith("_") and not node.name.startswith("__")}
+    offenders = [f"{name}:{line} {call}" for name, tree in trees.items()
+                 for line, call in private_method_calls(tree, private_names)]
+
+    assert offenders == []

@@ -18,7 +18,7 @@ from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
 from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.model_spec import resolve_model
 from vtoken.policies.base import Budget
-from vtoken.replay import REPLAYERS, HFReplayer, SimReplayer, make_replayer
+from vtoken.replay import REPLAYERS, HFReplayer, SimReplayer, make_replayer, model_folder
 from vtoken.runners import SerialRunner
 from vtoken.trace import Request, Trace
 
@@ -118,6 +118,41 @@ def test_a_replay_is_reused_only_for_the_same_run_and_requests() -> None:
     replayer.run(make_experiment().run("vtoken", 2), REQUESTS)
     replayer.run(run, REQUESTS[:3])
     assert len(replayer.replayed) == 4
+
+
+def test_hf_hands_over_the_model_its_replays_run_on(tiny_model) -> None:
+    replayer = HFReplayer(tiny_model)
+    assert replayer.loaded_model() is tiny_model
+    assert replayer.resolve(make_experiment(block_size=4), REQUESTS, 2).model == tiny_model.spec
+    with pytest.raises(ConfigError, match="--executor hf needs --model: smollm2-135m or a local model folder"):
+        HFReplayer(None).loaded_model()
+
+
+def test_a_folder_is_loaded_once_and_validate_replays_on_the_replayers_model(tmp_path) -> None:
+    from vtoken.calibration.engines import open_engine
+    from vtoken.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    replayer = HFReplayer(str(folder))
+    model = replayer.loaded_model()
+    assert model.path == folder and replayer.loaded_model() is model
+    with open_engine("hf", str(folder), make_experiment(block_size=4), REQUESTS, 2) as (engine, resolved):
+        assert engine.model.path == folder and resolved.model == engine.model.spec
+
+
+def test_model_folder_is_the_one_resolution_of_a_real_engines_model(tmp_path) -> None:
+    from vtoken.checker.vllm import VllmChecker
+    from vtoken.models.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "tiny")
+    assert model_folder("vllm", str(folder)) == folder
+    assert VllmChecker(str(folder)).model_folder() == folder
+    with pytest.raises(ConfigError, match="--executor vllm needs --model: smollm2-135m or a local model folder"):
+        model_folder("vllm", None)
+    with pytest.raises(ConfigError, match="--executor vllm needs --model"):
+        VllmChecker(None).model_folder()
+    with pytest.raises(ConfigError, match="not 'smollm2-135m' and not a folder with a config.json"):
+        model_folder("vllm", str(tmp_path / "nowhere"))
 
 
 def test_the_cli_chooses_no_executor_itself() -> None:

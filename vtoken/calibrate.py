@@ -55,13 +55,12 @@ def calibrate(executor: str, model: str, grid: CalibrationGrid | None = None,
 
 
 def _measure_vllm(model: str, grid: CalibrationGrid, on_status: OnStatus | None):
-    from vtoken.models import resolve_model_dir
-    from vtoken.replay import require_vllm
+    from vtoken.replay import model_folder, require_vllm
 
     require_vllm()
     from vtoken.calibration.vllm_steps import engine_spec, measure_vllm
 
-    folder = resolve_model_dir(model, on_status)
+    folder = model_folder("vllm", model, on_status)
     spec = engine_spec(str(folder), grid)
     steps = measure_vllm(str(folder), grid, on_status)
     engine = {"block_size": spec.block_size, "max_model_len": spec.max_model_len, "max_num_seqs": spec.max_num_seqs,

@@ -14,6 +14,11 @@
                                                      progress through a runners.ReplayProgress
     replayer.measured                                what a real engine measured beyond the
                                                      results (MeasuredExtras), after run_variants
+    hf_replayer.loaded_model()                       the LoadedModel its replays run on (loaded once)
+    vllm_replayer.model_folder()                     the model folder its engines load (model_folder)
+    vllm_replayer.engine_spec(experiment, concurrency)
+                                                     the EngineSpec of its engine for a resolved
+                                                     experiment
     replayer.supports_sweep / supports_frontier / supports_repeats
     replayer.is_deterministic                        the sim: the same replay gives the same result
     replayer.default_rounds / default_warmup         sim: 1 and 0 (deterministic); hf, vllm:
@@ -23,8 +28,11 @@ The sim replays every distinct run once: `run` keys each replay by its full `Run
 and run spec) and its requests, so the headline runs that repeat a sweep point (same variant, same concurrency)
 are reused. Its `runner` (vtoken.runners: serial, local processes or Ray) replays a batch in
 parallel and its `cache` (vtoken.cache) keeps results across runs; neither changes a result.
-The real engines run in this process and take neither. Importable without torch or vLLM; the
-engines are imported when they run.
+The real engines run in this process and take neither; what they load is handed over by
+`loaded_model`, `model_folder` and `engine_spec`, so that `vtoken validate` (calibration/engines.py)
+replays on the same model and engine settings as compare, and `model_folder` is the one place a
+`--model` becomes a folder for vLLM (the replayer, calibrate, check-invariants). Importable
+without torch or vLLM; the engines are imported when they run.
 """
 
 from __future__ import annotations
@@ -45,10 +53,13 @@ from vtoken.trace import Request, num_output_tokens
 
 if TYPE_CHECKING:
     from vtoken.cache import RunCache
+    from vtoken.engine.vllm.engine import EngineSpec
+    from vtoken.models import LoadedModel
 
 Progress = Callable[[str, int], None]  # (stage description, tokens generated since), as vtoken.analysis
 
 HF_SKIPPED_NOTE = "--executor hf: no sweep, no frontier (dozens of replays; run them with --executor sim)"
+NEEDS_MODEL = "--executor {executor} needs --model: smollm2-135m or a local model folder"
 VLLM_SKIPPED_NOTE = ("--executor vllm measures the three variants only: the concurrency sweep and the capacity "
                      "frontier need dozens of replays and are skipped (run them with --executor sim)")
 
@@ -186,7 +197,7 @@ class HFReplayer:
 
     def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                 num_blocks: int | None = None) -> Experiment:
-        model = self._loaded()
+        model = self.loaded_model()
         experiment = replace(experiment, model=model.spec)
         return replace(experiment, num_blocks=num_blocks or hf_num_blocks(experiment, requests, concurrency, model))
 
@@ -195,14 +206,14 @@ class HFReplayer:
                      num_warmup: int = defaults.MEASURED_WARMUP) -> dict[str, RunResult]:
         from vtoken.engine.hf_compare import compare_on_model
 
-        runs, self.measured = compare_on_model(experiment, requests, concurrency, self._loaded(), progress, num_rounds,
-                                               num_warmup)
+        runs, self.measured = compare_on_model(experiment, requests, concurrency, self.loaded_model(), progress,
+                                               num_rounds, num_warmup)
         return runs
 
     def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
         from vtoken.engine.hf import run_hf
 
-        return run_hf(run, requests, self._loaded()).result
+        return run_hf(run, requests, self.loaded_model()).result
 
     def run_many(self, jobs: Sequence[ReplayJob], on_done: OnDone | None = None,
                  on_tokens: OnTokens | None = None) -> list[RunResult]:
@@ -211,12 +222,14 @@ class HFReplayer:
     def notes(self) -> tuple[str, ...]:
         return (self.measured.notes if self.measured else ()) + (HF_SKIPPED_NOTE,)
 
-    def _loaded(self):
+    def loaded_model(self) -> LoadedModel:
+        """The model every replay of this replayer runs on: the one given, or `load_model`'s,
+        loaded at the first call (`resolve` makes it) and kept. ConfigError without a model."""
         from vtoken.models import LoadedModel, load_model
 
         if not isinstance(self._model, LoadedModel):
             if self._model is None:
-                raise ConfigError("--executor hf needs --model: smollm2-135m or a local model folder")
+                raise ConfigError(NEEDS_MODEL.format(executor="hf"))
             self._model = load_model(str(self._model), on_status=self._on_status)
         return self._model
 
@@ -246,21 +259,20 @@ class VllmReplayer:
         from vtoken.model_spec import model_spec_from_hf_config
 
         require_vllm()
-        spec = replace(model_spec_from_hf_config(self._folder()), dtype_bytes=4)  # the engine runs fp32
+        spec = replace(model_spec_from_hf_config(self.model_folder()), dtype_bytes=4)  # the engine runs fp32
         num_blocks = num_blocks or default_num_blocks(requests, concurrency, experiment.block_size)
         return replace(experiment, model=spec, num_blocks=num_blocks)
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None, num_rounds: int = defaults.MEASURED_ROUNDS,
                      num_warmup: int = defaults.MEASURED_WARMUP) -> dict[str, RunResult]:
-        from vtoken.engine.vllm.run import engine_spec_for, run_variants_on_vllm
+        from vtoken.engine.vllm.run import run_variants_on_vllm
 
-        folder = self._folder()
-        spec = engine_spec_for(experiment, concurrency, str(folder), self.max_model_len)
+        spec = self.engine_spec(experiment, concurrency)
         rounds = run_variants_on_vllm(experiment, requests, concurrency, spec, progress, num_rounds, num_warmup)
         speeds = [speed_from_results({v: results[r] for v, results in rounds.results.items()})
                   for r in range(num_rounds)]
-        self.measured = measured_extras("vllm", folder.name, experiment.num_blocks, rounds, speeds=speeds)
+        self.measured = measured_extras("vllm", Path(spec.model).name, experiment.num_blocks, rounds, speeds=speeds)
         return {v: rounds.results[v][idx] for v, idx in self.measured.shown_round.items()}
 
     def run(self, run: Run, requests: Sequence[Request]) -> RunResult:
@@ -273,12 +285,16 @@ class VllmReplayer:
     def notes(self) -> tuple[str, ...]:
         return (VLLM_SKIPPED_NOTE,)
 
-    def _folder(self) -> Path:
-        from vtoken.models import resolve_model_dir
+    def model_folder(self) -> Path:
+        """The local folder this replayer's engines load (`model_folder`)."""
+        return model_folder("vllm", self._model, self._on_status)
 
-        if self._model is None:
-            raise ConfigError("--executor vllm needs --model: smollm2-135m or a local model folder")
-        return resolve_model_dir(str(self._model), self._on_status)
+    def engine_spec(self, experiment: Experiment, concurrency: int | None) -> EngineSpec:
+        """The in-process engine of `experiment` (resolved by `resolve`) at `concurrency`:
+        `run_variants`' engine, for a caller that replays on it itself."""
+        from vtoken.engine.vllm.run import engine_spec_for
+
+        return engine_spec_for(experiment, concurrency, str(self.model_folder()), self.max_model_len)
 
 
 REPLAYERS: dict[str, type] = {r.executor: r for r in (SimReplayer, HFReplayer, VllmReplayer)}
@@ -294,6 +310,17 @@ def make_replayer(name: str, *, model: object | None = None, on_status: Callable
     if name not in REPLAYERS:
         raise ConfigError(f"unknown executor '{name}'; choose one of: {', '.join(REPLAYERS)}")
     return REPLAYERS[name](model, on_status, gpu_mem_util=gpu_mem_util, runner=runner, cache=cache)
+
+
+def model_folder(executor: str, model: object | None, on_status: Callable[[str], None] | None = None) -> Path:
+    """The local folder of a real engine's `--model` (`vtoken.models.resolve_model_dir`:
+    smollm2-135m, converted on first use, or a folder with a config.json). ConfigError naming
+    `--executor` when no model is given."""
+    from vtoken.models import resolve_model_dir
+
+    if model is None:
+        raise ConfigError(NEEDS_MODEL.format(executor=executor))
+    return resolve_model_dir(str(model), on_status)
 
 
 def check_sim_rounds(num_rounds: int, num_warmup: int) -> None:

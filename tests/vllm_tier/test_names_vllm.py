@@ -16,6 +16,7 @@ from vtoken.checker.vllm import VllmChecker  # noqa: E402
 from vtoken.errors import ConfigError  # noqa: E402
 from vtoken.models import resolve_model_dir  # noqa: E402
 from vtoken.replay import make_replayer  # noqa: E402
+from vtoken.trace import Request  # noqa: E402
 from vtoken_cli.app import app  # noqa: E402
 
 
@@ -29,8 +30,8 @@ def test_a_folder_resolves_to_itself_and_a_wrong_name_says_what_is_accepted(tiny
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "SmolLM2-135M-Instruct"])
 def test_the_replayer_and_the_checker_resolve_the_catalog_name(smollm2_dir, name):
-    assert str(make_replayer("vllm", model=name)._folder()) == smollm2_dir
-    assert str(VllmChecker(name)._folder()) == smollm2_dir
+    assert str(make_replayer("vllm", model=name).model_folder()) == smollm2_dir
+    assert str(VllmChecker(name).model_folder()) == smollm2_dir
 
 
 @pytest.mark.timeout(300)
@@ -45,3 +46,20 @@ def test_compare_on_vllm_runs_smollm2_by_name(smollm2_dir, tmp_path):
     assert payload["config"]["executor"] == "vllm"
     assert payload["vllm"]["model"] == "smollm2-135m-instruct"
     assert payload["variants"]["vtoken"]["tokens_evicted"] > 0
+
+
+def test_the_replayer_hands_over_its_engine_spec(tiny_model_dir):
+    from vtoken_cli.options import build_experiment
+
+    replayer = make_replayer("vllm", model=tiny_model_dir)
+    experiment = build_experiment(model="smollm2-135m", gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9,
+                                  block_size=32, policy="streaming_llm", budget="50%", eviction_interval=8,
+                                  reclaim_mode="hole-fill", theta_f=0.25, seed=3, sim_profile=None)
+    requests = [Request("a", 0.0, 40, 8), Request("b", 0.0, 100, 30)]
+    experiment = replayer.resolve(experiment, requests, 2)
+    spec = replayer.engine_spec(experiment, 2)
+    # two of the longest request (130 tokens: 5 blocks of 32) plus vLLM's null block
+    assert experiment.num_blocks == 2 * 5 + 1
+    assert (spec.model, spec.block_size, spec.num_gpu_blocks_override, spec.max_num_seqs, spec.seed) == \
+        (tiny_model_dir, 32, 11, 2, 3)
+    assert spec.max_model_len == 10 * 32  # the pool's usable blocks bound a sequence

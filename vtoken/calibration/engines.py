@@ -6,8 +6,9 @@
 `open_engine` resolves the run like `vtoken compare --executor` does (the engine's model
 geometry; the default block budget: `concurrency` full-length requests), and keeps one engine
 for the whole validation: vLLM's scheduler is reconfigured between variants
-(`VTokenScheduler.reconfigure`), the hf model is loaded once. Replays are those of compare
-(engine/vllm/run.py `replay`, engine/hf.py `run_hf`).
+(`VTokenScheduler.reconfigure`), the hf model is loaded once. The replayer hands over what it
+loaded (`HFReplayer.loaded_model`, `VllmReplayer.engine_spec`), so the engine is compare's, and
+the replays are compare's (engine/vllm/run.py `replay`, engine/hf.py `run_hf`).
 """
 
 from __future__ import annotations
@@ -24,29 +25,33 @@ MEASURED_EXECUTORS = ("vllm", "hf")
 
 
 class VllmEngine:
+    """`llm`: an in-process vLLM engine built by `open_llm` with vToken's scheduler."""
+
     name = "vllm"
     null_blocks = 1  # vLLM's pool keeps block 0 as its null block
 
     def __init__(self, llm) -> None:
-        self._llm = llm
+        self.llm = llm
 
     def replay(self, run: Run, requests: Sequence[Request]) -> RunResult:
         from vtoken.engine.vllm.run import replay
 
-        return replay(self._llm, run, requests)
+        return replay(self.llm, run, requests)
 
 
 class HFEngine:
+    """`model`: the replayer's `LoadedModel` (`HFReplayer.loaded_model`)."""
+
     name = "hf"
     null_blocks = 0
 
     def __init__(self, model) -> None:
-        self._model = model
+        self.model = model
 
     def replay(self, run: Run, requests: Sequence[Request]) -> RunResult:
         from vtoken.engine.hf import run_hf
 
-        return run_hf(run, requests, self._model).result
+        return run_hf(run, requests, self.model).result
 
 
 @contextlib.contextmanager
@@ -62,11 +67,10 @@ def open_engine(executor: str, model: str, experiment: Experiment, requests: Seq
     replayer = make_replayer(executor, model=model, on_status=on_status)
     experiment = replayer.resolve(experiment, requests, concurrency, num_blocks)
     if executor == "hf":
-        yield HFEngine(replayer._loaded()), experiment
+        yield HFEngine(replayer.loaded_model()), experiment
         return
     from vtoken.engine.vllm.engine import open_llm
-    from vtoken.engine.vllm.run import engine_spec_for, settings_for
+    from vtoken.engine.vllm.run import settings_for
 
-    spec = engine_spec_for(experiment, concurrency, str(replayer._folder()), replayer.max_model_len)
-    with open_llm(spec, settings_for(experiment, "native")) as llm:
+    with open_llm(replayer.engine_spec(experiment, concurrency), settings_for(experiment, "native")) as llm:
         yield VllmEngine(llm), experiment

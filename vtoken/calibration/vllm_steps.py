@@ -14,7 +14,7 @@ tokens cover its prompt decodes (its attention reads those tokens), any other ru
 chunk of its scheduled tokens after its computed ones. The engine runs `native` settings: no
 eviction, so the KV extent is the computed length.
 
-Relocation copies are timed alone through the runner's own copy (`_vtoken_copy_slots`: the
+Relocation copies are timed alone through the runner's own copy (`vtoken_copy_slots`: the
 per-ISA slot copy of kv_layout.py on CPU, which vToken runs synchronously before the forward).
 """
 
@@ -137,6 +137,6 @@ def time_copies(llm, sizes: Sequence[int], seed: int) -> list[MeasuredStep]:
         slots = torch.from_numpy(chosen.astype(np.int64))
         src, dst = slots[: slots.numel() // 2], slots[slots.numel() // 2 :]
         started = time.perf_counter()
-        runner._vtoken_copy_slots(src, dst)
+        runner.vtoken_copy_slots(src, dst)
         steps.append(MeasuredStep("copy", StepLoad(1, 0, 0, 0, 0, int(src.numel())), time.perf_counter() - started))
     return steps

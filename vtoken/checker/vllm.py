@@ -65,7 +65,7 @@ class VllmChecker:
 
         started = time.perf_counter()
         fault = self._validate(options)
-        folder = self._folder()
+        folder = self.model_folder()
         cut = [(_name(t), *scale_requests(t.requests, options.limits)) for t in traces]
         block_size = options.block_size or VLLM_BLOCK_SIZE
         all_requests = [r for _, requests, _ in cut for r in requests]
@@ -103,15 +103,14 @@ class VllmChecker:
         from vtoken.replay import require_vllm
 
         require_vllm()
-        self._folder()
+        self.model_folder()
         return fault
 
-    def _folder(self) -> Path:
-        from vtoken.models import resolve_model_dir
+    def model_folder(self) -> Path:
+        """The local folder the engine loads, resolved as compare's (`vtoken.replay.model_folder`)."""
+        from vtoken.replay import model_folder
 
-        if self.model is None:
-            raise ConfigError("--executor vllm needs --model: smollm2-135m or a local model folder")
-        return resolve_model_dir(self.model, self._on_status)
+        return model_folder("vllm", self.model, self._on_status)
 
     @staticmethod
     def _policy_notes(options: CheckOptions) -> list[str]:

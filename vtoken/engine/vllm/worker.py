@@ -198,13 +198,14 @@ class VTokenRunnerMixin:
             return
         self.vtoken_bytes_copied += self._vtoken_copier.copy_slots(torch.from_numpy(plan.src_slots),
                                                                    torch.from_numpy(plan.dst_slots),
-                                                                   self._vtoken_copy_slots)
+                                                                   self.vtoken_copy_slots)
         if self._vtoken_expected_kv is not None:
             self._vtoken_check_landed(plan.dst_slots, "I1", f"a KV copy of {plan.num_moves} tokens did not land "
                                       "byte for byte")
 
-    def _vtoken_copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> int:
-        """dst[i] <- src[i] (vLLM slots) in every layer, every source read before any write. Bytes copied."""
+    def vtoken_copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> int:
+        """dst[i] <- src[i] (vLLM slots) in every layer, every source read before any write. Bytes
+        copied. The copy every plan's moves go through; `vtoken calibrate` times it alone."""
         if self.device.type == "cpu":
             return cpu_slot_copy(self.kv_caches, src, dst, self._vtoken_index_map())
         return self._vtoken_cuda_copy(src, dst)
