@@ -1,17 +1,19 @@
 """`vtoken validate`: replay a trace on a real engine and on the calibrated sim, and compare.
 
-    report = validate(requests, config, profile, engine)    # engine: a MeasuredEngine
-    report.checks[variant][figure] -> FigureCheck(measured, simulated, rel_error, spread)
+    report = validate(source, requests, experiment, concurrency, profile, engine, num_rounds)
+                                            # engine: a MeasuredEngine (calibration/engines.py)
+    report.checks[variant][figure] -> FigureCheck(spread, simulated, rel_error); .measured: the median
 
 Both sides replay the same requests with the same settings: block budget, block size,
 concurrency, policy and budget, reclaim settings, seed. The sim gets the calibrated profile;
 its budget is the engine's usable blocks (vLLM's pool less its null block).
 
-The measured side is a measurement: one warm-up replay (the first `concurrency` requests, a
-few tokens each) is left out, then `num_rounds` rounds replay every variant once, the order
-alternating from round to round (native, vtoken; vtoken, native; ...), so that a drift of the
-machine over time falls on both. The measured value of a figure is its median over the rounds,
-its spread the lowest and highest round. rel_error = (simulated - measured) / measured.
+The measured side is a measurement, taken by `vtoken.rounds.run_rounds` as compare's is: a
+warm-up replay of each variant (the first `concurrency` requests, a few tokens each) is left
+out, then `num_rounds` rounds replay every variant once, the order rotated from round to round
+(native, vtoken; vtoken, native; ...), so that a drift of the machine over time falls on both.
+The measured value of a figure is its median over the rounds, its spread the lowest and highest
+round (`rounds.spread_of`). rel_error = (simulated - measured) / measured.
 
 Only native and vtoken are validated: in vLLM, naive-evict must compact like vToken (the
 kernels read slots 0..seq_len-1, engine/vllm/settings.py) and only holds the blocks back, so
@@ -21,15 +23,15 @@ its measured speed is not Naive-Evict's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
-import numpy as np
-
+from vtoken import defaults
 from vtoken.engine.experiment import Experiment, Run
 from vtoken.engine.sim import SimProfile
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
+from vtoken.rounds import Rounds, RoundsRecord, Spread, run_rounds, spread_of
 from vtoken.trace import Request
 
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "latency_p50_s",
@@ -37,7 +39,8 @@ FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p
 VALIDATED_VARIANTS = ("native", "vtoken")
 NAIVE_EVICT_NOTE = ("naive-evict is not validated: in vLLM it compacts like vToken and only holds the blocks, so "
                     "its measured speed is not Naive-Evict's")
-OnRun = Callable[[str], None]  # "round 2: vtoken" as each measured replay starts
+WARMUP_OUTPUT_TOKENS = 4  # output tokens of a warm-up request: its prefill and a few decode steps
+OnRun = Callable[[str], None]  # "round 2: vtoken" (or "warm-up: native") as each replay starts
 
 
 class MeasuredEngine(Protocol):
@@ -51,10 +54,14 @@ class MeasuredEngine(Protocol):
 
 @dataclass(frozen=True)
 class FigureCheck:
-    measured: float  # median over the rounds
+    spread: Spread  # the measured figure over the rounds, in round order
     simulated: float
     rel_error: float  # (simulated - measured) / measured
-    spread: tuple[float, float]  # lowest and highest measured round
+
+    @property
+    def measured(self) -> float:
+        """The median over the rounds."""
+        return self.spread.median
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,15 @@ class ValidationReport:
     experiment: Experiment  # the measured side's (the sim's has the profile and num_blocks - null blocks)
     concurrency: int | None
     step_times: str  # SimProfile.describe_step_times() of the profile
-    num_rounds: int
+    rounds: RoundsRecord  # the measured replays' order, and the warm-up
     checks: dict[str, dict[str, FigureCheck]]  # variant -> figure -> check
-    measured: dict[str, tuple[RunResult, ...]]  # variant -> one result per round
+    measured: dict[str, tuple[RunResult, ...]]  # variant -> one result per round, in round order
     simulated: dict[str, RunResult]
     notes: tuple[str, ...]
+
+    @property
+    def num_rounds(self) -> int:
+        return self.rounds.num_rounds
 
     @property
     def max_abs_rel_error(self) -> float:
@@ -89,32 +100,35 @@ def validate(source: str, requests: Sequence[Request], experiment: Experiment, c
     if profile.step_model is None:
         raise ConfigError("validate needs a calibrated sim profile (one with [sim.step_model]); "
                           "write one with vtoken calibrate")
-    if num_rounds <= 0:
-        raise ConfigError(f"--rounds must be > 0, got {num_rounds}")
     measured = measure_rounds(engine, experiment, concurrency, requests, num_rounds, on_run)
     simulated = simulate(replace(experiment, sim=profile, num_blocks=experiment.num_blocks - engine.null_blocks),
                          requests, concurrency)
-    checks = {v: {f: check(measured[v], simulated[v], f) for f in FIGURES} for v in VALIDATED_VARIANTS}
-    return ValidationReport(source, engine.name, experiment, concurrency, profile.describe_step_times(), num_rounds,
-                            checks, measured, simulated, (NAIVE_EVICT_NOTE,))
+    checks = {v: {f: check(measured.results[v], simulated[v], f) for f in FIGURES} for v in VALIDATED_VARIANTS}
+    return ValidationReport(source, engine.name, experiment, concurrency, profile.describe_step_times(),
+                            measured.record, checks, measured.results, simulated, (NAIVE_EVICT_NOTE,))
 
 
 def measure_rounds(engine: MeasuredEngine, experiment: Experiment, concurrency: int | None,
                    requests: Sequence[Request], num_rounds: int,
-                   on_run: OnRun | None = None) -> dict[str, tuple[RunResult, ...]]:
-    """A warm-up replay left out, then each round replays every validated variant, alternating."""
-    warmup = [replace(r, num_output_tokens=min(r.num_output_tokens, 4)) for r in requests[: concurrency or 4]]
-    if on_run is not None:
-        on_run("warm-up")
-    engine.replay(experiment.run("native", concurrency), warmup)
-    runs: dict[str, list[RunResult]] = {v: [] for v in VALIDATED_VARIANTS}
-    for round_idx in range(num_rounds):
-        order = VALIDATED_VARIANTS if round_idx % 2 == 0 else VALIDATED_VARIANTS[::-1]
-        for variant in order:
-            if on_run is not None:
-                on_run(f"round {round_idx + 1}: {variant}")
-            runs[variant].append(engine.replay(experiment.run(variant, concurrency), requests))
-    return {v: tuple(r) for v, r in runs.items()}
+                   on_run: OnRun | None = None) -> Rounds[RunResult]:
+    """`run_rounds` over the validated variants on `engine`: a warm-up replay of each (of
+    `warmup_requests`, dropped), then `num_rounds` rounds of all of `requests`."""
+    warmup = warmup_requests(requests, concurrency)
+
+    def replay(variant: str, round_idx: int | None) -> RunResult:
+        if on_run is not None:
+            on_run(f"warm-up: {variant}" if round_idx is None else f"round {round_idx + 1}: {variant}")
+        return engine.replay(experiment.run(variant, concurrency), requests if round_idx is not None else warmup)
+
+    return run_rounds(VALIDATED_VARIANTS, replay, num_rounds, defaults.MEASURED_WARMUP)
+
+
+def warmup_requests(requests: Sequence[Request], concurrency: int | None) -> list[Request]:
+    """What a warm-up replay runs: the first `concurrency` requests (4 in open loop) at their
+    prompt lengths, `WARMUP_OUTPUT_TOKENS` output tokens each: every prompt length and batch
+    the rounds start with, in seconds rather than a whole replay."""
+    return [replace(r, num_output_tokens=min(r.num_output_tokens, WARMUP_OUTPUT_TOKENS))
+            for r in requests[: concurrency or 4]]
 
 
 def simulate(experiment: Experiment, requests: Sequence[Request], concurrency: int | None) -> dict[str, RunResult]:
@@ -124,18 +138,21 @@ def simulate(experiment: Experiment, requests: Sequence[Request], concurrency: i
 
 
 def check(measured: Sequence[RunResult], simulated: RunResult, figure: str) -> FigureCheck:
-    values = [figure_of(r, figure) for r in measured]
-    median = float(np.median(values))
+    """`figure` measured over the rounds (one result each) against the simulated one."""
+    spread = spread_of([figure_of(r, figure) for r in measured])
     sim_value = figure_of(simulated, figure)
-    rel_error = (sim_value - median) / median if median else float("nan")
-    return FigureCheck(median, sim_value, rel_error, (min(values), max(values)))
+    rel_error = (sim_value - spread.median) / spread.median if spread.median else float("nan")
+    return FigureCheck(spread, sim_value, rel_error)
 
 
 def report_to_json(report: ValidationReport) -> dict:
-    """`{"variants": {VARIANT: {FIGURE: {"measured": x, "simulated": y, "rel_error": e}}}}`."""
+    """`{"variants": {VARIANT: {FIGURE: {"measured": x, "simulated": y, "rel_error": e,
+    "spread": {"min", "median", "max", "values"}}}}}`: the measured figure's spread over the
+    rounds as compare's `--json` gives it (values in round order)."""
     from vtoken.jsonsafe import make_json_safe
 
     return make_json_safe({"variants": {
-        variant: {figure: {"measured": c.measured, "simulated": c.simulated, "rel_error": c.rel_error}
+        variant: {figure: {"measured": c.measured, "simulated": c.simulated, "rel_error": c.rel_error,
+                           "spread": asdict(c.spread)}
                   for figure, c in figures.items()}
         for variant, figures in report.checks.items()}})

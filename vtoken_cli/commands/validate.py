@@ -57,7 +57,8 @@ def validate_command(
 
     \b
     --json prints {"variants": {VARIANT: {FIGURE: {"measured": x, "simulated": y,
-    "rel_error": e}}}}, rel_error = (simulated - measured) / measured.
+    "rel_error": e, "spread": {"min", "median", "max", "values"}}}}}, rel_error =
+    (simulated - measured) / measured, the spread over the rounds in round order.
 
     \b
     Exit codes

@@ -17,8 +17,12 @@ LABELS = {"throughput_tok_s": ("throughput", "tok/s", 1.0), "ttft_p50_s": ("TTFT
 
 def validation_report(report: ValidationReport) -> Group:
     cfg = report.experiment
-    rows = [("trace", report.source), ("measured", f"{report.engine}, {report.num_rounds} rounds alternating "
-            "the variants, warm-up left out"), ("simulated", f"sim, step times {report.step_times}"),
+    rounds = report.rounds
+    order = "; ".join(", ".join(variants) for variants in rounds.order)
+    rows = [("trace", report.source),
+            ("measured", f"{report.engine}: {rounds.num_warmup} warm-up replay of each variant left out, then "
+             f"{rounds.num_rounds} rounds ({order}); median and spread"),
+            ("simulated", f"sim, step times {report.step_times}"),
             ("settings", f"{cfg.num_blocks:,} blocks of {cfg.block_size} tokens, C = {report.concurrency}, "
              f"{cfg.eviction.policy} at {cfg.eviction.budget.describe()}, seed {cfg.seed}"),
             ("largest error", f"{100 * report.max_abs_rel_error:.1f}%")]
@@ -29,8 +33,8 @@ def validation_report(report: ValidationReport) -> Group:
             table.add_column(header, justify="left" if header == "figure" else "right", no_wrap=True)
         for figure, c in checks.items():
             label, unit, scale = LABELS[figure]
-            low, high = c.spread
-            table.add_row(f"{label} ({unit})", _num(scale * c.measured), f"{_num(scale * low)}-{_num(scale * high)}",
+            table.add_row(f"{label} ({unit})", _num(scale * c.measured),
+                          f"{_num(scale * c.spread.min)}-{_num(scale * c.spread.max)}",
                           _num(scale * c.simulated), f"{100 * c.rel_error:+.1f}%")
         parts.append(titled(variant, table))
     parts.extend(Text(note, style="yellow") for note in report.notes)
