@@ -16,6 +16,7 @@ from vtoken.kv.reclaim import (
     ReclaimConfig,
     Reclaimer,
     RelocationPlan,
+    most_reclaimable_first,
     movable_block_ids,
     num_reclaimable_blocks,
     plan_hole_fill,
@@ -279,6 +280,7 @@ def test_busy_requests_are_skipped_and_the_most_reclaimable_comes_first() -> Non
     assert [p.req_id for p in reclaimer.plan([a, b, c], frozenset({1, 2}))] == [0]
 
 
+
 def test_a_round_stops_planning_once_its_budget_of_moves_is_spent() -> None:
     pool = BlockPool(32, S)
     a = make_layout("L...", "L...", tail="L", pool=pool, req_id=0)  # 1 move frees 1 block
@@ -361,6 +363,19 @@ def test_every_plan_is_safe_frees_what_it_says_and_keeps_every_live_token(layout
         assert pool.num_free_blocks == num_free_before + plan.num_blocks_freed
     np.testing.assert_array_equal(table.live_token_ids(), live_before)
     check_unique_mapping(pool, [table])
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests=st.lists(layouts(), min_size=1, max_size=6), busy=st.sets(st.integers(0, 5), max_size=2))
+def test_requests_are_ranked_as_a_sort_of_their_exact_reclaimable_blocks(requests, busy) -> None:
+    pool = BlockPool(128, S)
+    tables = [make_layout(*blocks, tail=tail, pool=pool, req_id=req_id) for req_id, (blocks, tail, _, _) in enumerate(requests)]
+    for table in tables[::2]:  # a dead token in the open tail: the O(1) bound is then above the exact count
+        if table.tail_num_written and table.live_mask[-1]:
+            table.evict_tokens(np.array([table.num_tokens - 1]))
+    ranked = [(t.req_id, m.num_reclaimable) for t, m in most_reclaimable_first(tables, frozenset(busy))]
+    exact = sorted((-num_reclaimable_blocks(t), t.req_id) for t in tables if t.req_id not in busy and num_reclaimable_blocks(t) > 0)
+    assert ranked == [(req_id, -negated) for negated, req_id in exact]
 
 
 # ---- under memory pressure ---------------------------------------------------------------

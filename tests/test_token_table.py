@@ -275,6 +275,73 @@ def test_evict_of_a_bad_id_raises_and_changes_nothing(token_ids: list[int], mess
     assert table.layout_version == version
 
 
+
+def test_evict_one_each_equals_one_evict_tokens_per_table() -> None:
+    def tables_of(pool: BlockPool) -> list[TokenTable]:
+        tables = [make_table(pool, n, req_id) for req_id, n in enumerate((10, 7, 13))]
+        tables[1].evict_tokens(np.array([2]))  # a slot cache to shift
+        grow(tables[2], 1)  # an append not yet counted, in the tail the eviction empties
+        return tables
+    batched_pool, single_pool = make_pool(), make_pool()
+    batched, single = tables_of(batched_pool), tables_of(single_pool)
+    victims = [9, 5, 13]  # the last token of a two-token tail, a middle one, the uncounted append
+    for tables in (single, batched):
+        tables[0].evict_tokens(np.array([8]))
+    for table, token_id in zip(single, victims):
+        table.evict_tokens(np.array([token_id]))
+    emptied = TokenTable.evict_one_each(batched, np.array(victims))
+    assert emptied.tolist() == [2, -1, -1]  # block 2 held tokens 8 and 9 of request 0
+    for got, want in zip(batched, single):
+        np.testing.assert_equal(state(got), state(want))
+    assert batched_pool.token_at.tolist() == single_pool.token_at.tolist()
+
+
+@pytest.mark.parametrize(("victims", "message"), [
+    ([3, 10], "request 1: cannot evict unknown token 10"),
+    ([3, 6], "request 1: token 6 is already evicted"),
+    ([3, 1], "request 1: token 1 is in the shared prefix"),
+])
+def test_evict_one_each_of_a_bad_id_raises_and_changes_no_table(victims: list[int], message: str) -> None:
+    pool = make_pool()
+    first, second = make_table(pool, 10, 0), make_table(pool, 10, 1)
+    second.pin_prefix(4)
+    second.evict_tokens(np.array([6]))
+    before = [state(first), state(second)]
+    with pytest.raises(VTokenError, match=message):
+        TokenTable.evict_one_each([first, second], np.array(victims))
+    assert_unchanged(before[0], first)
+    assert_unchanged(before[1], second)
+
+
+def test_evict_one_each_refuses_a_table_given_twice() -> None:
+    pool = make_pool()
+    table = make_table(pool, 10)
+    with pytest.raises(VTokenError, match="distinct tables of one pool"):
+        TokenTable.evict_one_each([table, table], np.array([4, 5]))
+    assert table.num_live_tokens == 10
+
+
+
+def test_flushing_many_listed_tables_at_once_counts_what_flushing_each_counts() -> None:
+    def pool_after(flush_each: bool) -> BlockPool:
+        pool = BlockPool(64, S)
+        tables = [make_table(pool, 5 + req_id, req_id) for req_id in range(10)]  # more than the 8 of the batched path
+        for req_id, table in enumerate(tables):
+            for _ in range(req_id % 3 + 1):  # 1 to 3 appends pending, some of them opening a new tail
+                grow(table, 1)
+        if flush_each:
+            for table in tables:
+                table.flush()
+        return pool
+    each, listed = pool_after(True), pool_after(False)
+    assert listed._deferred  # nothing counted yet: the first read below flushes them all in one call
+    assert listed.live_counts.tolist() == each.live_counts.tolist()
+    assert listed.token_at.tolist() == each.token_at.tolist()
+    assert listed.utilization_histogram().tolist() == each.utilization_histogram().tolist()
+    assert (listed.num_blocks_le_half, listed.num_live_tokens) == (each.num_blocks_le_half, each.num_live_tokens)
+    assert not listed._deferred
+
+
 # ---- relocation --------------------------------------------------------------------------
 
 

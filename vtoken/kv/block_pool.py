@@ -230,6 +230,18 @@ class BlockPool:
             raise VTokenError(f"{num_tokens} appended tokens do not fit block {block_id} ({old_count} live)")
         self._recount(block_id, old_count, new_count)
 
+    def count_deferred_appends_many(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
+        """`count_deferred_appends` of distinct tail blocks (`TokenTable.flush_listed`), checked
+        first, so that a rejected call changes nothing."""
+        new_counts = self._live_counts[block_ids] + counts
+        bad = (new_counts > self.block_size) | (self.ref_counts[block_ids] <= 0)
+        if bad.any():
+            block_id = int(block_ids[bad][0])
+            raise VTokenError(f"{int(counts[bad][0])} appended tokens do not fit block {block_id} ({self._live_counts[block_id]} live)")
+        old_live = self.num_live_tokens
+        self._set_live(block_ids, new_counts.astype(np.int32))
+        self.num_live_tokens = old_live  # counted when the tokens were appended
+
     def remove_live_token(self, block_id: int) -> int:
         """One live token of an allocated block died: `add_live(block_id, -1)` for a caller
         that holds the block and knew the token live (a token table), so nothing to check.
@@ -281,10 +293,10 @@ class BlockPool:
         self._deferred.append(table)
 
     def flush_deferred(self) -> None:
+        """Count every listed table's pending appends (the tables do it: `TokenTable.flush_listed`)."""
         deferred, self._deferred = self._deferred, []
-        for table in deferred:
-            table._is_deferred = False
-            table.flush()
+        if deferred:
+            deferred[0].flush_listed(deferred)
 
     @property
     def live_counts(self) -> np.ndarray:

@@ -34,7 +34,8 @@ logical order into ceil(T/S) fresh blocks taken from the headroom, out of place.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,19 +150,11 @@ class Reclaimer:
 
     def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
                num_blocks_wanted: int | None) -> list[RelocationPlan]:
-        candidates = []
-        for table in tables:
-            if table.req_id in busy_req_ids or table.max_reclaimable_blocks() <= 0:
-                continue
-            movable = _Movable.of(table)
-            if movable.num_reclaimable > 0:
-                candidates.append((-movable.num_reclaimable, table.req_id, table, movable))
-        candidates.sort(key=lambda c: (c[0], c[1]))
         plans: list[RelocationPlan] = []
         num_dst_used, num_moved = 0, 0
         budget = self.config.max_moves_per_round
         num_freed = 0
-        for _, _, table, movable in candidates:
+        for table, movable in most_reclaimable_first(tables, busy_req_ids):
             if budget is not None and num_moved >= budget:
                 break
             max_src_blocks = self.config.max_src_blocks
@@ -179,6 +172,36 @@ class Reclaimer:
                 num_moved += plan.num_tokens_moved
                 num_freed += plan.num_blocks_freed
         return plans
+
+
+def most_reclaimable_first(tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> Iterator[tuple[TokenTable, _Movable]]:
+    """The requests with a reclaimable block, most reclaimable blocks first, ties by req_id.
+
+    Lazy: every request enters a heap keyed by its O(1) upper bound (`max_reclaimable_blocks`),
+    and only the one on top gets its exact count (`_Movable.of`, a few numpy calls), which goes
+    back in under its exact key. An exact entry on top precedes every other, since no exact
+    count exceeds its bound; so the order equals sorting every exact count, and a round that
+    stops early (a budget, a pressure shortfall) reads the live counts of only the requests it
+    plans for, not of every request.
+    """
+    heap = []  # (-blocks, req_id, position in `tables`: the tie a stable sort would keep, exact, table)
+    for table_idx, table in enumerate(tables):
+        if table.req_id not in busy_req_ids:
+            bound = table.max_reclaimable_blocks()
+            if bound > 0:
+                heap.append((-bound, table.req_id, table_idx, None, table))
+    heapq.heapify(heap)
+    while heap:
+        _, req_id, table_idx, movable, table = heap[0]
+        if movable is not None:
+            heapq.heappop(heap)
+            yield table, movable
+            continue
+        movable = _Movable.of(table)
+        if movable.num_reclaimable > 0:
+            heapq.heapreplace(heap, (-movable.num_reclaimable, req_id, table_idx, movable, table))
+        else:
+            heapq.heappop(heap)
 
 
 def _src_blocks_to_free(mode: str, num_blocks: int, max_src_blocks: int) -> int:

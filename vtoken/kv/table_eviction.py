@@ -9,10 +9,16 @@ returned for the caller to release and free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from vtoken.errors import VTokenError
 from vtoken.kv.arrays import count_by_block, is_distinct
+
+if TYPE_CHECKING:
+    from vtoken.kv.token_table import TokenTable
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 _NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
@@ -46,19 +52,60 @@ class EvictionVerbs:
         self.layout_version += 1
         return blocks[new_counts == 0]
 
+    @staticmethod
+    def evict_one_each(tables: Sequence[TokenTable], token_ids: np.ndarray) -> np.ndarray:
+        """`evict_tokens` of `token_ids[i]` in `tables[i]`, one token per table (distinct tables
+        of one pool, as a decode step's evictions across the batch), with the pool's live counts
+        and reverse map updated once for all of them instead of once per table.
+
+        Returns [len(tables)] int64: the block each eviction emptied, -1 where none (the caller
+        releases it with that table's `release_blocks` and frees them all in one call). Raises,
+        changing nothing, for an unknown, dead or pinned id or a table given twice.
+        """
+        if len(tables) != len(token_ids):
+            raise VTokenError(f"evict_one_each got {len(tables)} tables and {len(token_ids)} token ids")
+        if not tables:
+            return np.zeros(0, dtype=np.int64)
+        pool = tables[0].pool
+        if len({id(table) for table in tables}) != len(tables) or any(table.pool is not pool for table in tables):
+            raise VTokenError("evict_one_each needs distinct tables of one pool")
+        ids = np.asarray(token_ids, dtype=np.int64).tolist()
+        slots = [table._evictable_slot(token_id) for table, token_id in zip(tables, ids)]  # checks all first
+        for table, token_id, slot in zip(tables, ids, slots):
+            table._forget_one(token_id, slot)
+        slot_array = np.array(slots, dtype=np.int64)
+        tables[0]._token_at[slot_array] = -1  # the pool's reverse map, shared by its tables
+        block_ids = slot_array // pool.block_size
+        distinct, counts = count_by_block(block_ids)
+        new_counts = pool.remove_live_tokens(distinct, counts)
+        return np.where(new_counts[np.searchsorted(distinct, block_ids)] == 0, block_ids, -1)
+
     def _evict_one(self, token_id: int) -> np.ndarray:
         """`evict_tokens` of a single id, with scalars only (same checks, same result)."""
-        live = self._live
+        slot = self._evictable_slot(token_id)
+        self._forget_one(token_id, slot)
+        self._token_at[slot] = -1
+        block_id = slot // self.block_size
+        if self.pool.remove_live_token(block_id):
+            return _NO_BLOCKS
+        return np.array([block_id], dtype=np.int64)
+
+    def _evictable_slot(self, token_id: int) -> int:
+        """The slot of `token_id`; raises unless it is a live token outside the pinned prefix."""
         if not 0 <= token_id < self.num_tokens:
             raise VTokenError(f"request {self.req_id}: cannot evict unknown token {token_id} (length {self.num_tokens})")
-        if not live.item(token_id):
+        if not self._live.item(token_id):
             raise VTokenError(f"request {self.req_id}: token {token_id} is already evicted")
         if token_id < self.num_pinned_tokens:
             raise VTokenError(f"request {self.req_id}: token {token_id} is in the shared prefix and cannot be evicted")
-        slot = self._slot.item(token_id)
+        return self._slot.item(token_id)
+
+    def _forget_one(self, token_id: int, slot: int) -> None:
+        """The table's half of a single eviction: live bit, slot list, counts. The caller
+        clears the reverse map and the block's live count."""
         if self._num_pending and 0 <= slot - self._tail_slot < self.block_size:
             self.flush()  # the tail's count must be whole before it can tell whether the block emptied
-        self._token_at[slot] = -1
+        live = self._live
         if not self._num_dead:  # the first dead token: the cache starts as every slot but this one
             num_tokens = self.num_tokens
             cache = self._cache.reset(num_tokens - 1)
@@ -69,10 +116,6 @@ class EvictionVerbs:
         live[token_id] = False
         self._num_dead += 1
         self.layout_version += 1
-        block_id = slot // self.block_size
-        if self.pool.remove_live_token(block_id):
-            return _NO_BLOCKS
-        return np.array([block_id], dtype=np.int64)
 
     def _check_evictable(self, token_ids: np.ndarray) -> None:
         out_of_range = (token_ids < 0) | (token_ids >= self.num_tokens)

@@ -172,6 +172,37 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
             self._token_at[first_slot : first_slot + num_pending] = np.arange(first_token, self.num_tokens)
         self.pool.count_deferred_appends(first_slot // self.block_size, num_pending)
 
+    @staticmethod
+    def flush_listed(tables: list[TokenTable]) -> None:
+        """`flush` of every table the pool listed as deferred (`BlockPool.flush_deferred`), which
+        leave its list: their pending appends' reverse-map entries in one store and their tails'
+        live counts in one pool call, rather than a few calls per table (a step appends to every
+        decoding request, so the pool's first read after it meets them all)."""
+        if len(tables) < 8:
+            for table in tables:
+                table._is_deferred = False
+                table.flush()
+            return
+        slots, token_ids, tail_block_ids, counts = [], [], [], []
+        for table in tables:
+            table._is_deferred = False
+            num_pending = table._num_pending
+            if not num_pending:
+                continue
+            table._num_pending = 0
+            first_slot = table._tail_slot + table.tail_num_written - num_pending
+            if num_pending == 1:
+                slots.append(first_slot)
+                token_ids.append(table.num_tokens - 1)
+            else:
+                slots.extend(range(first_slot, first_slot + num_pending))
+                token_ids.extend(range(table.num_tokens - num_pending, table.num_tokens))
+            tail_block_ids.append(first_slot // table.block_size)
+            counts.append(num_pending)
+        if slots:
+            tables[0]._token_at[np.array(slots, dtype=np.int64)] = np.array(token_ids, dtype=np.int64)
+            tables[0].pool.count_deferred_appends_many(np.array(tail_block_ids, dtype=np.int64), np.array(counts, dtype=np.int64))
+
     # ---- the three operations ----------------------------------------------------------------
 
     def attach_shared_prefix(self, block_ids: np.ndarray, num_prefix_tokens: int) -> None:
