@@ -1,42 +1,41 @@
-"""Host-side cost of the vToken substrate per decode step. A benchmark, not a test.
+"""Host-side cost of the vToken substrate per decode step, against the modelled step. A benchmark, not a test.
 
-    python benchmarks/bench_substrate.py [--json PATH] [--repeats N] [--quick] [--sizes 64x8K,1024x8K]
+    python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,paced]
+                                         [--repeats N] [--wall] [--json PATH]
 
 R concurrent requests with an L-token context, block size S = 16, one new token per request
-per step. Growth runs the same loop over the same calls (num_new_blocks_needed, allocate,
-sync_new_tokens, slots) on two kinds of table:
+per step (the workload and the reclaimer's cadences: substrate_workload.py). Growth runs the
+same loop over the same calls (num_new_blocks_needed, allocate, sync_new_tokens, slots) on two
+kinds of table:
 
     native   a plain block table: slot = block_table[pos // S] * S + pos % S for the new
              token, appended to a cached slot array (what a paged engine without eviction does)
     table    the token table (vtoken.kv.token_table), no eviction: the indirection alone
 
-With eviction, each step adds, per request, one eviction from the unprotected middle (a random
+With eviction, each step adds one eviction per request from the unprotected middle (a random
 live token outside the sinks and the recent window: one in, one out, as at a policy's steady
-state) and the reclaimer (hole-fill, synchronous copies, no KV data). Two reclamation cadences:
+state), all of a step's evictions in one `TokenTable.evict_one_each` call and the blocks they
+emptied in one `BlockPool.free`, and the reclaimer, whose round frees its source blocks in one
+call too. evict = that eviction call with releasing and freeing; reclaim = planning, applying
+and freeing. The default cadence is measured over one whole cycle of it (from just after a
+round to the end of the next), so that its mean amortizes the round: 64 timed steps after the
+round, then (untimed) 32 steps at a time in bulk while F is more than 0.005 below theta_F,
+then timed steps up to and including the next round; the mean weighs the timed ordinary
+steps by the cycle's length. The paced cadence is timed over a window of steps after its
+first round.
 
-    every-step  plan, launch and complete every step (the stress case: many one-block plans)
-    default     the reclaimer's own gate (ReclaimConfig defaults: every k = 4 steps, when
-                F >= theta_F = 0.25), measured over one whole cycle of it: from just after a
-                reclamation round to the end of the next (B * S = 1,024 steps here), so that
-                the mean amortizes the round; the worst step is that round
-    budget      the default gate with max_moves_per_round = 2,048: rounds come every k steps
-                while F >= theta_F, each moving at most about that many tokens, so that no
-                step carries a whole round; 1,024 steps measured after 256 of warmup
+Times are host microseconds of this process's CPU time (time.process_time; on a machine shared
+with other work wall time measures the others' load; `--wall` uses time.perf_counter). Each
+repetition is a fresh run with its own seed; a row gives the median repetition's parts and the
+min-max over repetitions of the mean and of the worst step's evict + reclaim, both against the
+sim's modelled decode step of the same configuration (StepCostModel, default model and GPU: one
+step of R requests reading R x L KV tokens). The goal is evict + reclaim within 1% of that step.
+Victims are chosen outside the timed region (that is the policy's cost). check_plan (the I4
+check the runtime runs on every plan) is not included; its cost per plan is reported apart.
 
-Times are host microseconds of this process's CPU time (time.process_time: on a machine shared
-with other work, wall time measures the others' load; `--wall` uses time.perf_counter); each
-repetition takes the mean per step
-after a warmup, the tables show the median over repetitions. Each evicting row also gives the
-worst step's evict + reclaim, and both against the sim's modelled decode step of the same
-configuration (StepCostModel, default model and GPU: one decode step of R requests reading
-R x L KV tokens), as a share of it. Parts of an evicting step:
-growth, evict (evict_tokens + release and free of blocks it emptied), reclaim (plan, launch,
-apply_moves, release, free) and slots() of every request. Victims are chosen outside the timed
-region (that is the policy's cost). check_plan (the I4 check the runtime runs on every plan) is
-not included; its cost is reported apart.
-
-A last table compares the two reclamation modes on the same eviction sequence: tokens the
-reclaimer moved per block it freed.
+Two smaller tables: the step's evictions one `evict_tokens` call per request against one
+`evict_one_each` call (the same victims on identical states, alternated), and the tokens the
+two reclamation modes move per block they free.
 """
 
 from __future__ import annotations
@@ -48,27 +47,25 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from substrate_workload import (
+    BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, choose_victims, grow_one,
+    make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_round, reclaim_config,
+)
 
-from vtoken import defaults
-from vtoken.engine.executor import StepLoad
-from vtoken.engine.sim import SimExecutor, SimProfile
-from vtoken.hardware import resolve_gpu
 from vtoken.invariants import check_plan
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
-from vtoken.model_spec import resolve_model
 
-BLOCK_SIZE = 16
-NUM_SINK_TOKENS = 4
-NUM_RECENT_TOKENS = 256
-# (requests, context, steps of the growth and every-step measurements)
-SCENARIOS = ((64, 8192, 400), (64, 32768, 200), (256, 8192, 100), (256, 32768, 60), (1024, 8192, 30))
-clock = time.process_time  # main() sets time.perf_counter for --wall
+# (requests, context, growth steps, paced steps): the default run
+SCENARIOS = ((64, 8192, 400, 512), (256, 8192, 100, 256), (1024, 8192, 30, 96), (64, 32768, 200, 512), (256, 32768, 60, 256))
+QUICK_SCENARIOS = ((64, 8192, 100, 128),)
+DEFAULT_CADENCES = ("default", "paced")
 TARGET_STEP_SHARE = 0.01  # evict + reclaim per step, of the modelled decode step
 TARGET_TABLE_RATIO = 1.05
-TARGET_EVICT_US_PER_STEP = 200.0  # at 64 requests x 8K
+MAX_CYCLE_STEPS = 4000  # a default cycle takes about B * S = 1024 steps at one eviction per request
+ORDINARY_STEPS = 64  # timed steps of a cycle right after its round; then it advances in bulk
+BULK_STEPS, BULK_MARGIN_F = 32, 0.005  # steps per bulk advance; while F < theta_F - margin
+PACED_WARMUP_STEPS = 64  # after the first paced round, before measuring
 
 
 @dataclass(frozen=True)
@@ -88,34 +85,39 @@ class EvictRow:
     num_requests: int
     context_tokens: int
     cadence: str
-    num_steps: int  # measured steps (default cadence: one reclamation cycle)
-    growth_us: float  # per step, all requests; the four parts add up to the step
+    max_moves_per_round: int | None
+    num_steps: int  # measured steps of the median repetition (default: one cycle)
+    growth_us: float  # per step, all requests, median repetition; the four parts add up to the step
     evict_us: float
     reclaim_us: float
     slots_us: float
-    max_reclaim_us: float  # the worst step's reclaim part
     plans_per_step: float
+    mean_range_us: tuple[float, float]  # min-max over repetitions of the mean evict + reclaim
+    worst_us: float  # the worst step's evict + reclaim, median repetition
+    worst_range_us: tuple[float, float]
     check_plan_us_per_plan: float
-    max_bookkeeping_us: float  # the worst step's evict + reclaim
     modelled_step_us: float  # the sim's decode step of this configuration
 
     @property
+    def bookkeeping_us(self) -> float:
+        """What eviction and reclamation add to a step: the goal's quantity."""
+        return self.evict_us + self.reclaim_us
+
+    @property
     def step_share(self) -> float:
-        """Mean evict + reclaim per step over the modelled decode step."""
         return self.bookkeeping_us / self.modelled_step_us
 
     @property
     def worst_step_share(self) -> float:
-        return self.max_bookkeeping_us / self.modelled_step_us
+        return self.worst_us / self.modelled_step_us
 
-    @property
-    def bookkeeping_us(self) -> float:
-        """What eviction and reclamation add to a step: the target's quantity."""
-        return self.evict_us + self.reclaim_us
 
-    @property
-    def total_us(self) -> float:
-        return self.growth_us + self.evict_us + self.reclaim_us + self.slots_us
+@dataclass(frozen=True)
+class EvictPathRow:
+    num_requests: int
+    context_tokens: int
+    per_table_us: float  # per step, all requests: one evict_tokens call per request
+    batched_us: float  # one evict_one_each call
 
 
 @dataclass(frozen=True)
@@ -128,78 +130,10 @@ class MovesRow:
     num_blocks_freed_by_eviction: int  # emptied by the evictions themselves, no move needed
 
 
-def modelled_step_us(num_requests: int, context_tokens: int) -> float:
-    """The sim's duration of one decode step of `num_requests` requests with `context_tokens`
-    each (every slot live), for the default model and GPU, in microseconds."""
-    executor = SimExecutor(resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU), SimProfile(), defaults.SEED)
-    num_slots = num_requests * context_tokens
-    load = StepLoad(1, num_slots, num_slots, num_requests, num_prefill_tokens=0, num_copied_tokens=0)
-    return 1e6 * executor.iteration_time_s(load)
+# ---- measurements ----------------------------------------------------------------------------
 
 
-def num_pool_blocks(num_requests: int, context_tokens: int, num_steps: int) -> int:
-    per_request = -(-(context_tokens + num_steps + 64) // BLOCK_SIZE) + 4
-    return num_requests * per_request + 256
-
-
-# ---- (a) native and (b) token table: growth with the same calls -----------------------------
-
-
-class NativeTable:
-    """A plain block table with the token table's growth calls: slot = block_table[pos // S] * S
-    + pos % S for each new token, appended to a slot array (numpy buffers grown by doubling)."""
-
-    def __init__(self, pool: BlockPool) -> None:
-        self.block_size = pool.block_size
-        self.block_table = np.zeros(64, dtype=np.int64)
-        self.num_blocks = 0
-        self.slot_buffer = np.zeros(1024, dtype=np.int64)
-        self.num_tokens = 0
-
-    def num_new_blocks_needed(self, num_new_tokens: int) -> int:
-        overflow = self.num_tokens + num_new_tokens - self.num_blocks * self.block_size
-        return -(-overflow // self.block_size) if overflow > 0 else 0
-
-    def sync_new_tokens(self, new_block_ids: np.ndarray, num_tokens: int) -> None:
-        if len(new_block_ids):
-            end = self.num_blocks + len(new_block_ids)
-            if end > self.block_table.size:
-                self.block_table = np.concatenate((self.block_table, np.zeros(max(end, self.block_table.size), np.int64)))
-            self.block_table[self.num_blocks : end] = new_block_ids
-            self.num_blocks = end
-        start = self.num_tokens
-        if num_tokens > self.slot_buffer.size:
-            self.slot_buffer = np.concatenate((self.slot_buffer, np.zeros(max(num_tokens, self.slot_buffer.size), np.int64)))
-        if num_tokens == start + 1:
-            self.slot_buffer[start] = self.block_table[start // self.block_size] * self.block_size + start % self.block_size
-        else:
-            positions = np.arange(start, num_tokens)
-            self.slot_buffer[start:num_tokens] = self.block_table[positions // self.block_size] * self.block_size + positions % self.block_size
-        self.num_tokens = num_tokens
-
-    def slots(self) -> np.ndarray:
-        return self.slot_buffer[: self.num_tokens]
-
-
-NO_BLOCKS = np.zeros(0, dtype=np.int64)
-
-
-def grow_one(pool: BlockPool, table: TokenTable | NativeTable) -> None:
-    """The runtime's growth step for one new token: allocate what overflows the tail, sync."""
-    num_needed = table.num_new_blocks_needed(1)
-    table.sync_new_tokens(pool.allocate(num_needed) if num_needed else NO_BLOCKS, table.num_tokens + 1)
-
-
-def make_tables(pool: BlockPool, num_requests: int, context_tokens: int, kind: type = TokenTable) -> list:
-    tables = []
-    for req_id in range(num_requests):
-        table = TokenTable(req_id, pool, capacity=context_tokens + 1024) if kind is TokenTable else NativeTable(pool)
-        table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(context_tokens)), context_tokens)
-        tables.append(table)
-    return tables
-
-
-def time_growth(kind: type, num_requests: int, context_tokens: int, num_steps: int) -> float:
+def time_growth(kind: type, num_requests: int, context_tokens: int, num_steps: int, clock) -> float:
     """Mean microseconds per step of growth + slots() of every request: the same loop for both kinds."""
     pool = BlockPool(num_pool_blocks(num_requests, context_tokens, 2 * num_steps), BLOCK_SIZE)
     tables = make_tables(pool, num_requests, context_tokens, kind)
@@ -214,191 +148,122 @@ def time_growth(kind: type, num_requests: int, context_tokens: int, num_steps: i
     return 1e6 * statistics.fmean(step_s)
 
 
-# ---- (c) eviction + reclamation ------------------------------------------------------------
+def measure_growth(num_requests: int, context_tokens: int, num_steps: int, num_repeats: int, clock) -> GrowthRow:
+    native, table = [], []
+    for _ in range(num_repeats):  # alternated, so that a slow spell of the machine hits both
+        native.append(time_growth(NativeTable, num_requests, context_tokens, num_steps, clock))
+        table.append(time_growth(TokenTable, num_requests, context_tokens, num_steps, clock))
+    return GrowthRow(num_requests, context_tokens, statistics.median(native), statistics.median(table))
 
 
-def choose_victims(tables: list[TokenTable], rng: np.random.Generator, pattern: str) -> list[np.ndarray]:
-    """One live token per request from [sinks, length - recent): random, or the oldest."""
-    victims = []
-    for table in tables:
-        low, high = max(NUM_SINK_TOKENS, table.num_pinned_tokens), table.num_tokens + 1 - NUM_RECENT_TOKENS
-        if pattern == "oldest":
-            token_id = low + int(np.argmax(table.live_mask[low:high]))
-        else:
-            token_id = int(rng.integers(low, high))
-            while not table.live_mask[token_id]:
-                token_id = int(rng.integers(low, high))
-        victims.append(np.array([token_id], dtype=np.int64))
-    return victims
-
-
-class EvictingRun:
-    """R requests under one eviction per request per step, with the reclaimer on."""
-
-    def __init__(self, num_requests: int, context_tokens: int, num_steps: int, mode: str, pattern: str,
-                 cadence: str = "every-step", seed: int = 0) -> None:
-        self.pool = BlockPool(num_pool_blocks(num_requests, context_tokens, num_steps) + 64 * num_requests, BLOCK_SIZE)
-        self.tables = make_tables(self.pool, num_requests, context_tokens)
-        budget = ROUND_BUDGET if cadence == "budget" else None
-        self.reclaimer = Reclaimer(ReclaimConfig(mode=mode, max_moves_per_round=budget), self.pool)
-        self.engine = CopyEngine(None, "sync")
-        self.by_id = {t.req_id: t for t in self.tables}
-        self.rng = np.random.default_rng(seed)
-        self.pattern = pattern
-        self.cadence = cadence
-        self.step_idx = 0
-        self.num_tokens_moved = 0
-        self.num_blocks_freed_by_eviction = 0
-        self.num_blocks_freed_by_plans = 0
-        self.num_plans = 0
-        self.num_rounds = 0  # steps whose reclamation launched plans
-
-    def prefragment(self, num_dead_per_request: int | None = None) -> None:
-        """Evict `num_dead_per_request` random tokens of every request (default: a different
-        number below S each, so that requests do not all reach a reclaimable block at once)."""
-        for table in self.tables:
-            low, high = max(NUM_SINK_TOKENS, table.num_pinned_tokens), table.num_tokens + 1 - NUM_RECENT_TOKENS
-            num_dead = int(self.rng.integers(0, BLOCK_SIZE)) if num_dead_per_request is None else num_dead_per_request
-            if num_dead:
-                candidates = low + np.flatnonzero(table.live_mask[low:high])
-                self.evict(table, np.sort(self.rng.choice(candidates, num_dead, replace=False)))
-
-    def evict(self, table: TokenTable, victims: np.ndarray) -> None:
-        emptied = table.evict_tokens(victims)
-        if emptied.size:
-            table.release_blocks(emptied)
-            self.pool.free(emptied)
-            self.num_blocks_freed_by_eviction += emptied.size
-
-    def reclaim(self) -> None:
-        pool = self.pool
-        plans = self.reclaimer.plan(self.tables)
-        self.num_rounds += bool(plans)
-        for plan in plans:
-            table = self.by_id[plan.req_id]
-            table.adopt_blocks(pool.allocate(plan.dst_new_block_ids.size))
-            self.engine.launch(plan)
-        for plan in self.engine.poll_completed():
-            table = self.by_id[plan.req_id]
-            table.apply_moves(plan.moves)
-            table.release_blocks(plan.src_block_ids)
-            pool.free(plan.src_block_ids)
-            self.num_tokens_moved += plan.num_tokens_moved
-            self.num_blocks_freed_by_plans += plan.num_blocks_freed
-            self.num_plans += 1
-
-    def step(self, victims: list[np.ndarray]) -> tuple[float, float, float, float]:
-        """One decode step; returns seconds spent in growth, evict, reclaim and slots."""
-        pool = self.pool
-        started = clock()
-        for table in self.tables:
-            grow_one(pool, table)
-        grown = clock()
-        for table, victim in zip(self.tables, victims, strict=True):
-            self.evict(table, victim)
-        evicted = clock()
-        if self.cadence == "every-step" or self.reclaimer.is_eligible(self.step_idx):
-            self.reclaim()
-        reclaimed = clock()
-        for table in self.tables:
-            table.slots()
-        self.step_idx += 1
-        return grown - started, evicted - grown, reclaimed - evicted, clock() - reclaimed
-
-    def run(self, num_steps: int) -> np.ndarray:
-        """Seconds per step of the four parts, [num_steps, 4]."""
-        return np.array([self.step(choose_victims(self.tables, self.rng, self.pattern)) for _ in range(num_steps)])
+def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: float, seed: int, clock) -> EvictingRun:
+    """A run in its steady state: waste just under theta_F (random dead tokens in every
+    request), then steps until just after a reclamation round (and a few more, paced)."""
+    num_steps = {"default": 2 * MAX_CYCLE_STEPS, "paced": 4096, "budget": 2048, "every-step": 1024}[cadence]
+    run = EvictingRun(num_requests, context_tokens, num_steps, reclaim_config(cadence, step_us), every_step=cadence == "every-step",
+                      seed=seed, clock=clock)
+    if cadence == "every-step":
+        run.prefragment()
+        run.run(2 * BLOCK_SIZE)
+        return run
+    run.prefragment(int(run.reclaimer.config.theta_f * context_tokens) - 2 * BLOCK_SIZE)
+    run.run_until_a_round(MAX_CYCLE_STEPS)
+    if cadence != "default":
+        run.run(PACED_WARMUP_STEPS)
+    return run
 
 
 def time_check_plan_us(run: EvictingRun, num_plans: int = 20) -> float:
     """Mean cost of the I4 check on fresh plans of this run's requests."""
+    for table in run.tables[: len(run.tables) // 2]:  # some holes, so that there are plans
+        for _ in range(BLOCK_SIZE):
+            emptied = table.evict_tokens(choose_victims([table], run.rng, "random"))
+            table.release_blocks(emptied)
+            run.pool.free(emptied)
     timings = []
     for plan in run.reclaimer.plan(run.tables)[:num_plans]:
-        started = clock()
+        started = run.clock()
         check_plan(plan, run.by_id[plan.req_id], run.pool, frozenset())
-        timings.append(clock() - started)
+        timings.append(run.clock() - started)
     return 1e6 * statistics.fmean(timings) if timings else 0.0
 
 
-MAX_CYCLE_STEPS = 4000  # a lazy reclamation cycle takes about B * S = 1024 steps at one eviction per request
-ROUND_BUDGET = 2048  # tokens moved per round, the budget cadence
-BUDGET_STEPS, BUDGET_WARMUP_STEPS = 1024, 256
-CADENCES = ("every-step", "default", "budget")
-
-
-def evicting_run(num_requests: int, context_tokens: int, num_steps: int, cadence: str, seed: int) -> EvictingRun:
-    """A run warmed up into its steady state. The default cadence starts with the pool's waste
-    just under theta_F (random dead tokens in every request), so that the gate opens soon."""
-    pool_steps = {"every-step": 4 * num_steps, "default": 2 * MAX_CYCLE_STEPS, "budget": 2 * (BUDGET_STEPS + BUDGET_WARMUP_STEPS)}
-    run = EvictingRun(num_requests, context_tokens, pool_steps[cadence], "hole-fill", "random", cadence, seed)
-    if cadence == "every-step":
-        run.prefragment()
-        run.run(max(num_steps, 2 * BLOCK_SIZE))
-        return run
-    run.prefragment(int(run.reclaimer.config.theta_f * context_tokens) - 2 * BLOCK_SIZE)
-    if cadence == "default":
-        run_until_a_round(run)
-    else:
-        run.run(BUDGET_WARMUP_STEPS)
-    return run
-
-
-def run_until_a_round(run: EvictingRun) -> np.ndarray:
-    """Steps until, and including, the next step whose reclamation launched plans."""
+def time_cycle(run: EvictingRun) -> tuple[np.ndarray, np.ndarray, int]:
+    """One cycle of the default reclaimer, from just after a round to the end of the next:
+    ORDINARY_STEPS timed steps, then steps advanced in bulk while F is below theta_F by a
+    margin (untimed: what they cost is what the timed ones cost), then timed steps up to and
+    including the round. Returns the ordinary steps' parts, the round step's, and the cycle's
+    length in steps."""
+    theta_f, first_step_idx = run.reclaimer.config.theta_f, run.step_idx
     num_rounds, parts = run.num_rounds, []
     while run.num_rounds == num_rounds:
-        if len(parts) == MAX_CYCLE_STEPS:
+        if len(parts) >= ORDINARY_STEPS and run.pool.waste_ratio() < theta_f - BULK_MARGIN_F:
+            run.advance_in_bulk(BULK_STEPS)
+            continue
+        if run.step_idx - first_step_idx >= MAX_CYCLE_STEPS:
             raise RuntimeError(f"no reclamation round in {MAX_CYCLE_STEPS} steps (F = {run.pool.waste_ratio():.3f})")
         parts.append(run.step(choose_victims(run.tables, run.rng, run.pattern)))
-    return np.array(parts)
+    return np.array(parts[:-1]).reshape(-1, 4), np.array(parts[-1]), run.step_idx - first_step_idx
 
 
-def time_evict(num_requests: int, context_tokens: int, num_steps: int, num_repeats: int, cadence: str) -> EvictRow:
-    """every-step: `num_steps` steps. default: one whole cycle of the lazy reclaimer, from just
-    after a reclamation round to the end of the next, so that the mean amortizes the round.
-    budget: BUDGET_STEPS steps."""
-    means, max_reclaim, max_bookkeeping, plans_per_step, num_cycle_steps, check_us = [], [], [], [], [], 0.0
+def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, cadence: str, num_repeats: int, clock) -> EvictRow:
+    """default: a cycle's mean, its ordinary steps weighted by their number and the round once
+    (`time_cycle`); the other cadences: the mean of `num_paced_steps` steps."""
+    step_us = modelled_step_us(num_requests, context_tokens)
+    means, worst, plans_per_step, num_steps, check_us = [], [], [], [], 0.0
     for repeat_idx in range(num_repeats):
-        run = evicting_run(num_requests, context_tokens, num_steps, cadence, seed=repeat_idx)
-        num_plans_before = run.num_plans
-        parts = {"every-step": lambda: run.run(num_steps), "default": lambda: run_until_a_round(run),
-                 "budget": lambda: run.run(BUDGET_STEPS)}[cadence]()
-        means.append(1e6 * parts.mean(axis=0))
-        max_reclaim.append(1e6 * parts[:, 2].max())
-        max_bookkeeping.append(1e6 * (parts[:, 1] + parts[:, 2]).max())
-        plans_per_step.append((run.num_plans - num_plans_before) / len(parts))
-        num_cycle_steps.append(len(parts))
+        run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
+        num_plans_before, first_step_idx = run.num_plans, run.step_idx
+        if cadence == "default":
+            ordinary, round_parts, cycle_steps = time_cycle(run)
+            mean = (ordinary.sum(axis=0) * (cycle_steps - 1) / max(len(ordinary), 1) + round_parts) / cycle_steps
+            parts = np.vstack((ordinary, round_parts))
+        else:
+            parts = run.run(num_paced_steps)
+            mean = parts.mean(axis=0)
+        means.append(1e6 * mean)
+        worst.append(1e6 * float((parts[:, 1] + parts[:, 2]).max()))
+        num_steps.append(run.step_idx - first_step_idx)
+        plans_per_step.append((run.num_plans - num_plans_before) / num_steps[-1])
         if repeat_idx == 0:
-            for table in run.tables[: num_requests // 2]:  # some holes, so that check_plan has plans
-                for _ in range(BLOCK_SIZE):
-                    run.evict(table, choose_victims([table], run.rng, "random")[0])
             check_us = time_check_plan_us(run)
-    totals = [m.sum() for m in means]
-    median = int(np.argsort(totals)[len(totals) // 2])
+    bookkeeping = [float(m[1] + m[2]) for m in means]
+    median = int(np.argsort(bookkeeping)[len(bookkeeping) // 2])
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
-    return EvictRow(num_requests, context_tokens, cadence, num_cycle_steps[median], growth_us, evict_us, reclaim_us, slots_us,
-                    float(max_reclaim[median]), plans_per_step[median], check_us, float(max_bookkeeping[median]),
-                    modelled_step_us(num_requests, context_tokens))
+    budget = run.reclaimer.config.max_moves_per_round
+    return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], growth_us, evict_us, reclaim_us, slots_us,
+                    plans_per_step[median], (min(bookkeeping), max(bookkeeping)), worst[median], (min(worst), max(worst)),
+                    check_us, step_us)
 
 
-def measure_scenario(num_requests: int, context_tokens: int, num_steps: int, num_repeats: int) -> tuple[GrowthRow, list[EvictRow]]:
-    native, table = [], []
-    for _ in range(num_repeats):  # alternated, so that a slow spell of the machine hits both
-        native.append(time_growth(NativeTable, num_requests, context_tokens, num_steps))
-        table.append(time_growth(TokenTable, num_requests, context_tokens, num_steps))
-    growth = GrowthRow(num_requests, context_tokens, statistics.median(native), statistics.median(table))
-    evicts = [time_evict(num_requests, context_tokens, num_steps, num_repeats, cadence) for cadence in CADENCES]
-    return growth, evicts
-
-
-# ---- tokens moved per freed block ----------------------------------------------------------
+def measure_evict_paths(num_requests: int, context_tokens: int, num_steps: int, clock) -> EvictPathRow:
+    """The same victims on two identical states, one call per request against one call."""
+    runs = [EvictingRun(num_requests, context_tokens, num_steps, reclaim_config("default", 1.0), seed=3) for _ in range(2)]
+    for run in runs:
+        run.prefragment(BLOCK_SIZE)
+    per_table_s, batched_s = [], []
+    for step_idx in range(num_steps):
+        victims = choose_victims(runs[0].tables, runs[0].rng, "random")
+        for path in ((0, 1) if step_idx % 2 else (1, 0)):
+            run = runs[path]
+            started = clock()
+            if path == 0:
+                for table, token_id in zip(run.tables, victims.tolist()):
+                    emptied = table.evict_tokens(np.array([token_id]))
+                    if emptied.size:
+                        table.release_blocks(emptied)
+                        run.pool.free(emptied)
+            else:
+                run.evict(victims)
+            (per_table_s if path == 0 else batched_s).append(clock() - started)
+    return EvictPathRow(num_requests, context_tokens, 1e6 * statistics.fmean(per_table_s), 1e6 * statistics.fmean(batched_s))
 
 
 def measure_moves(num_requests: int, context_tokens: int, num_steps: int) -> list[MovesRow]:
     rows = []
     for pattern in ("random", "oldest"):
         for mode in ("hole-fill", "ordered"):
-            run = EvictingRun(num_requests, context_tokens, num_steps, mode, pattern, seed=7)
+            run = EvictingRun(num_requests, context_tokens, num_steps, reclaim_config("default", 1.0, mode), pattern, every_step=True, seed=7)
             run.run(num_steps)
             freed = run.num_blocks_freed_by_plans
             rows.append(MovesRow(pattern, mode, run.num_tokens_moved, freed, run.num_tokens_moved / freed if freed else float("nan"),
@@ -406,28 +271,47 @@ def measure_moves(num_requests: int, context_tokens: int, num_steps: int) -> lis
     return rows
 
 
-# ---- output --------------------------------------------------------------------------------
+# ---- output ----------------------------------------------------------------------------------
 
 
 def table(header: str, lines: list[str]) -> str:
     return "\n".join([header, "-" * len(header), *lines])
 
 
+def size_name(num_requests: int, context_tokens: int) -> str:
+    return f"{num_requests} x {context_tokens // 1024}K"
+
+
 def format_growth(rows: list[GrowthRow]) -> str:
-    header = f"{'requests':>8} {'context':>7} {'native us/step':>14} {'table us/step':>13} {'us/req/step':>11} {'x native':>8}"
-    return table(header, [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.native_us:>14.1f} {r.table_us:>13.1f} "
+    header = f"{'requests x context':<18} {'native us/step':>14} {'table us/step':>13} {'us/req/step':>11} {'x native':>8}"
+    return table(header, [f"{size_name(r.num_requests, r.context_tokens):<18} {r.native_us:>14.1f} {r.table_us:>13.1f} "
                           f"{r.table_us / r.num_requests:>11.2f} {r.ratio:>8.2f}" for r in rows])
 
 
+def verdict(share: float) -> str:
+    return "met" if share <= TARGET_STEP_SHARE else "MISSED"
+
+
 def format_evict(rows: list[EvictRow]) -> str:
-    header = (f"{'requests':>8} {'context':>7} {'cadence':<10} {'steps':>5} {'growth':>7} {'evict':>7} {'reclaim':>8} {'slots':>7} "
-              f"{'total':>7} {'evict+reclaim':>13} {'worst reclaim':>13} {'plans/step':>10} {'check_plan us':>13} "
-              f"{'modelled step us':>16} {'mean % of step':>14} {'worst e+r us':>12} {'worst % of step':>15}")
-    return table(header, [f"{r.num_requests:>8} {r.context_tokens // 1024:>6}K {r.cadence:<10} {r.num_steps:>5} {r.growth_us:>7.1f} "
-                          f"{r.evict_us:>7.1f} {r.reclaim_us:>8.1f} {r.slots_us:>7.1f} {r.total_us:>7.1f} {r.bookkeeping_us:>13.1f} "
-                          f"{r.max_reclaim_us:>13.1f} {r.plans_per_step:>10.2f} {r.check_plan_us_per_plan:>13.1f} "
-                          f"{r.modelled_step_us:>16.0f} {100 * r.step_share:>14.2f} {r.max_bookkeeping_us:>12.0f} "
-                          f"{100 * r.worst_step_share:>15.2f}" for r in rows])
+    header = (f"{'requests x context':<18} {'cadence':<10} {'moves/round':>11} {'steps':>5} {'growth':>7} {'evict':>8} {'reclaim':>8} "
+              f"{'slots':>7} {'plans/step':>10} {'step ms':>8} {'evict+reclaim [min-max]':>25} {'% of step':>9} {'1%':>6} "
+              f"{'worst step [min-max]':>24} {'% of step':>9} {'1%':>6}")
+    lines = []
+    for r in rows:
+        budget = "-" if r.max_moves_per_round is None else str(r.max_moves_per_round)
+        mean_range = f"{r.bookkeeping_us:,.0f} [{r.mean_range_us[0]:,.0f}-{r.mean_range_us[1]:,.0f}]"
+        worst_range = f"{r.worst_us:,.0f} [{r.worst_range_us[0]:,.0f}-{r.worst_range_us[1]:,.0f}]"
+        lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<10} {budget:>11} {r.num_steps:>5} {r.growth_us:>7.0f} "
+                     f"{r.evict_us:>8.0f} {r.reclaim_us:>8.0f} {r.slots_us:>7.0f} {r.plans_per_step:>10.2f} "
+                     f"{r.modelled_step_us / 1000:>8.1f} {mean_range:>25} {100 * r.step_share:>9.2f} {verdict(r.step_share):>6} "
+                     f"{worst_range:>24} {100 * r.worst_step_share:>9.2f} {verdict(r.worst_step_share):>6}")
+    return table(header, lines)
+
+
+def format_evict_paths(rows: list[EvictPathRow]) -> str:
+    header = f"{'requests x context':<18} {'per table us/step':>17} {'evict_one_each us/step':>22} {'x per table':>11}"
+    return table(header, [f"{size_name(r.num_requests, r.context_tokens):<18} {r.per_table_us:>17.0f} {r.batched_us:>22.0f} "
+                          f"{r.batched_us / r.per_table_us:>11.2f}" for r in rows])
 
 
 def format_moves(rows: list[MovesRow]) -> str:
@@ -437,65 +321,79 @@ def format_moves(rows: list[MovesRow]) -> str:
 
 
 def format_targets(growth: list[GrowthRow], evicts: list[EvictRow]) -> str:
-    lines = []
-    for r in growth:
-        verdict = "met" if r.ratio <= TARGET_TABLE_RATIO else "MISSED"
-        lines.append(f"table <= {TARGET_TABLE_RATIO}x native at {r.num_requests} x {r.context_tokens // 1024}K: {r.ratio:.2f}x ({verdict})")
-    for r in evicts:
-        if (r.num_requests, r.context_tokens) == (64, 8192):
-            verdict = "met" if r.bookkeeping_us <= TARGET_EVICT_US_PER_STEP else "MISSED"
-            lines.append(f"evict + reclaim <= {TARGET_EVICT_US_PER_STEP:.0f} us/step at 64 x 8K, {r.cadence} cadence: "
-                         f"{r.bookkeeping_us:.1f} us ({verdict}; worst step's reclaim {r.max_reclaim_us:.0f} us)")
-    for r in evicts:
-        if r.cadence != "every-step":
-            verdict = "met" if r.step_share <= TARGET_STEP_SHARE else "MISSED"
-            lines.append(f"evict + reclaim <= {100 * TARGET_STEP_SHARE:.0f}% of the modelled step at {r.num_requests} x "
-                         f"{r.context_tokens // 1024}K, {r.cadence} cadence: {100 * r.step_share:.2f}% of "
-                         f"{r.modelled_step_us / 1000:.1f} ms ({verdict}; worst step {100 * r.worst_step_share:.1f}%)")
+    lines = [f"table <= {TARGET_TABLE_RATIO}x native at {size_name(r.num_requests, r.context_tokens)}: {r.ratio:.2f}x "
+             f"({'met' if r.ratio <= TARGET_TABLE_RATIO else 'MISSED'})" for r in growth]
+    lines += [f"evict + reclaim <= 1% of the {r.modelled_step_us / 1000:.1f} ms step at {size_name(r.num_requests, r.context_tokens)}, "
+              f"{r.cadence}: mean {100 * r.step_share:.2f}% ({verdict(r.step_share)}), worst step "
+              f"{100 * r.worst_step_share:.2f}% ({verdict(r.worst_step_share)})" for r in evicts if r.cadence != "every-step"]
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--repeats", type=int, default=5, help="repetitions per measurement (median reported)")
-    parser.add_argument("--quick", action="store_true", help="64 x 8K only, fewer steps")
-    parser.add_argument("--sizes", help="only these requests x context, e.g. 64x8K,1024x8K (default: all)")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions per measurement (median and min-max reported)")
+    parser.add_argument("--quick", action="store_true", help="64 x 8K only, fewer steps and repetitions (a smoke run)")
+    parser.add_argument("--sizes", help="only these requests x context, e.g. 64x8K,1024x8K, or tiny sizes such as 4x1K")
+    parser.add_argument("--cadences", default=",".join(DEFAULT_CADENCES), help=f"of {', '.join(CADENCES)}")
     parser.add_argument("--wall", action="store_true", help="wall time (time.perf_counter) instead of CPU time")
     args = parser.parse_args()
-    global clock
-    clock = time.perf_counter if args.wall else time.process_time
-    scenarios = ((64, 8192, 100),) if args.quick else SCENARIOS
+    args.cadences = [c.strip() for c in args.cadences.split(",")]
+    if bad := [c for c in args.cadences if c not in CADENCES]:
+        parser.error(f"--cadences: {', '.join(bad)} is not one of {', '.join(CADENCES)}")
+    if args.repeats <= 0:
+        parser.error(f"--repeats must be > 0, got {args.repeats}")
+    args.scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
     if args.sizes:
-        wanted = {size.strip().upper() for size in args.sizes.split(",")}
-        scenarios = tuple(s for s in SCENARIOS if f"{s[0]}X{s[1] // 1024}K" in wanted)
-        if not scenarios:
-            parser.error(f"--sizes: none of {args.sizes} is one of "
-                         f"{', '.join(f'{r}x{c // 1024}K' for r, c, _ in SCENARIOS)}")
+        args.scenarios = tuple(parse_size(parser, size, args.scenarios) for size in args.sizes.split(","))
+    return args
+
+
+def parse_size(parser: argparse.ArgumentParser, size: str, known: tuple) -> tuple[int, int, int, int]:
+    """'256x8K' -> a scenario: a known one's step counts, or a small one's for other sizes."""
+    try:
+        requests, context = size.strip().upper().split("X")
+        num_requests, context_tokens = int(requests), int(context.removesuffix("K")) * 1024
+    except ValueError:
+        parser.error(f"--sizes: '{size}' is not REQUESTSxCONTEXT, e.g. 64x8K")
+    if num_requests <= 0 or context_tokens < 2 * NUM_RECENT_TOKENS:
+        parser.error(f"--sizes: '{size}' needs at least 1 request and a context of at least 1K")
+    return next((s for s in SCENARIOS if s[:2] == (num_requests, context_tokens)), (num_requests, context_tokens, 20, 64))
+
+
+def main() -> None:
+    args = parse_args()
+    clock = time.perf_counter if args.wall else time.process_time
+    num_repeats = 1 if args.quick else args.repeats
     started = time.perf_counter()
-    growth, evicts = [], []
-    for num_requests, context_tokens, num_steps in scenarios:
-        print(f"{num_requests} x {context_tokens // 1024}K ...", flush=True)
-        growth_row, evict_rows = measure_scenario(num_requests, context_tokens, num_steps, args.repeats)
-        growth.append(growth_row)
-        evicts += evict_rows
-    moves = measure_moves(64, 8192, 50 if args.quick else 200)
+    growth, evicts, paths = [], [], []
+    for num_requests, context_tokens, num_growth_steps, num_paced_steps in args.scenarios:
+        print(f"{size_name(num_requests, context_tokens)} ...", flush=True)
+        growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
+        paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
+        evicts += [measure_evict(num_requests, context_tokens, num_paced_steps, cadence, num_repeats, clock) for cadence in args.cadences]
+    moves_size = args.scenarios[0][:2] if args.sizes else (64, 8192)
+    moves = measure_moves(*moves_size, 50 if args.quick or args.sizes else 200)
     print("\ngrowth + slots(), no eviction (us per step, all requests)")
     print(format_growth(growth))
-    print("\none eviction per request per step (us per step, all requests)")
+    print("\none eviction per request per step (us per step, all requests; step ms: the modelled decode step)")
     print(format_evict(evicts))
-    print("\ntokens moved per freed block, 64 requests x 8K, same eviction sequence for both modes")
+    print("\na step's evictions, one evict_tokens per request against one evict_one_each (us per step)")
+    print(format_evict_paths(paths))
+    print(f"\ntokens moved per freed block, {size_name(*moves_size)}, same eviction sequence for both modes")
     print(format_moves(moves))
     print()
     print(format_targets(growth, evicts))
     print(f"\n{time.perf_counter() - started:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"clock": clock.__name__, "block_size": BLOCK_SIZE, "num_sink_tokens": NUM_SINK_TOKENS, "num_recent_tokens": NUM_RECENT_TOKENS,
-                       "repeats": args.repeats,
+            json.dump({"clock": clock.__name__, "block_size": BLOCK_SIZE, "num_sink_tokens": NUM_SINK_TOKENS,
+                       "num_recent_tokens": NUM_RECENT_TOKENS, "repeats": num_repeats,
                        "growth": [dict(asdict(r), ratio=r.ratio) for r in growth],
-                       "evict": [dict(asdict(r), bookkeeping_us=r.bookkeeping_us, total_us=r.total_us, step_share=r.step_share,
-                                      worst_step_share=r.worst_step_share) for r in evicts],
+                       "evict": [dict(asdict(r), bookkeeping_us=r.bookkeeping_us, step_share=r.step_share,
+                                      worst_step_share=r.worst_step_share, paced_moves_per_round=paced_moves_per_round(r.modelled_step_us))
+                                 for r in evicts],
+                       "evict_paths": [asdict(r) for r in paths],
                        "moves": [asdict(m) for m in moves]}, out, indent=2)
 
 

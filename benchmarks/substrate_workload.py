@@ -1,0 +1,252 @@
+"""The workload bench_substrate.py times: R requests of an L-token context on one block pool,
+one new token per request per step, and with eviction one victim per request per step and the
+reclaimer on. Not a benchmark by itself: it builds the state and runs the steps; the bench
+times them.
+
+Cadences of the reclaimer (hole-fill, synchronous copies, no KV data):
+
+    default     as shipped (ReclaimConfig defaults: every k = 4 steps, when F >= theta_F = 0.25,
+                no move budget): one round does a whole cycle's work in one step
+    paced       the same gate checked every step, each round capped at a move budget derived
+                from the modelled step (`paced_moves_per_round`), plans of at most 2 x budget / S
+                source blocks: rounds come every few steps, none carries a cycle's work
+    budget      the default gate with max_moves_per_round = 2,048 (`vtoken compare --reclaim-budget`)
+    every-step  plan every step regardless of F (a stress case: many one-block plans)
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from vtoken import defaults
+from vtoken.engine.executor import StepLoad
+from vtoken.engine.sim import SimExecutor, SimProfile
+from vtoken.hardware import resolve_gpu
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
+from vtoken.kv.token_table import TokenTable
+from vtoken.model_spec import resolve_model
+
+BLOCK_SIZE = 16
+NUM_SINK_TOKENS = 4
+NUM_RECENT_TOKENS = 256
+CADENCES = ("default", "paced", "budget", "every-step")
+ROUND_BUDGET = 2048  # tokens moved per round, the budget cadence
+# The paced cadence spends at most this share of the modelled decode step on a round's moves, at
+# HOST_US_PER_MOVE each: the host cost of a moved token in plans of 8 or more source blocks
+# (plan + apply + release + free, measured with this bench on the 2-core machine, 0.3-0.6 us).
+PACED_SHARE_OF_STEP = 0.003
+HOST_US_PER_MOVE = 0.5
+NO_BLOCKS = np.zeros(0, dtype=np.int64)
+
+
+def modelled_step_us(num_requests: int, context_tokens: int) -> float:
+    """The sim's duration of one decode step of `num_requests` requests with `context_tokens`
+    each (every slot live), for the default model and GPU, in microseconds."""
+    executor = SimExecutor(resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU), SimProfile(), defaults.SEED)
+    num_slots = num_requests * context_tokens
+    load = StepLoad(num_decode_steps=1, num_kv_slots_read=num_slots, num_live_kv_tokens=num_slots,
+                    num_decoding_requests=num_requests, num_prefill_tokens=0, num_copied_tokens=0)
+    return 1e6 * executor.iteration_time_s(load)
+
+
+def paced_moves_per_round(step_us: float) -> int:
+    """The paced cadence's budget: tokens moved per round, from the modelled step."""
+    return max(2 * BLOCK_SIZE, int(PACED_SHARE_OF_STEP * step_us / HOST_US_PER_MOVE))
+
+
+def reclaim_config(cadence: str, step_us: float, mode: str = "hole-fill") -> ReclaimConfig:
+    if cadence == "paced":
+        num_moves = paced_moves_per_round(step_us)
+        # B x S = twice the budget, so that one plan usually fills a round (a plan's fixed cost,
+        # a few dozen numpy calls, outweighs its moves); a plan is never split, so a round moves
+        # less than 3 x the budget
+        return ReclaimConfig(mode=mode, check_interval_steps=1, max_moves_per_round=num_moves,
+                             max_src_blocks=max(2, 2 * num_moves // BLOCK_SIZE))
+    return ReclaimConfig(mode=mode, max_moves_per_round=ROUND_BUDGET if cadence == "budget" else None)
+
+
+def num_pool_blocks(num_requests: int, context_tokens: int, num_steps: int) -> int:
+    per_request = -(-(context_tokens + num_steps + 64) // BLOCK_SIZE) + 4
+    return num_requests * per_request + 256
+
+
+class NativeTable:
+    """A plain block table with the token table's growth calls: slot = block_table[pos // S] * S
+    + pos % S for each new token, appended to a slot array (numpy buffers grown by doubling)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.block_size = pool.block_size
+        self.block_table = np.zeros(64, dtype=np.int64)
+        self.num_blocks = 0
+        self.slot_buffer = np.zeros(1024, dtype=np.int64)
+        self.num_tokens = 0
+
+    def num_new_blocks_needed(self, num_new_tokens: int) -> int:
+        overflow = self.num_tokens + num_new_tokens - self.num_blocks * self.block_size
+        return -(-overflow // self.block_size) if overflow > 0 else 0
+
+    def sync_new_tokens(self, new_block_ids: np.ndarray, num_tokens: int) -> None:
+        if len(new_block_ids):
+            end = self.num_blocks + len(new_block_ids)
+            if end > self.block_table.size:
+                self.block_table = np.concatenate((self.block_table, np.zeros(max(end, self.block_table.size), np.int64)))
+            self.block_table[self.num_blocks : end] = new_block_ids
+            self.num_blocks = end
+        start = self.num_tokens
+        if num_tokens > self.slot_buffer.size:
+            self.slot_buffer = np.concatenate((self.slot_buffer, np.zeros(max(num_tokens, self.slot_buffer.size), np.int64)))
+        if num_tokens == start + 1:
+            self.slot_buffer[start] = self.block_table[start // self.block_size] * self.block_size + start % self.block_size
+        else:
+            positions = np.arange(start, num_tokens)
+            self.slot_buffer[start:num_tokens] = self.block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+        self.num_tokens = num_tokens
+
+    def slots(self) -> np.ndarray:
+        return self.slot_buffer[: self.num_tokens]
+
+
+def grow_one(pool: BlockPool, table: TokenTable | NativeTable) -> None:
+    """The runtime's growth step for one new token: allocate what overflows the tail, sync."""
+    num_needed = table.num_new_blocks_needed(1)
+    table.sync_new_tokens(pool.allocate(num_needed) if num_needed else NO_BLOCKS, table.num_tokens + 1)
+
+
+def make_tables(pool: BlockPool, num_requests: int, context_tokens: int, kind: type = TokenTable) -> list:
+    tables = []
+    for req_id in range(num_requests):
+        table = TokenTable(req_id, pool, capacity=context_tokens + 1024) if kind is TokenTable else NativeTable(pool)
+        table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(context_tokens)), context_tokens)
+        tables.append(table)
+    return tables
+
+
+def choose_victims(tables: list[TokenTable], rng: np.random.Generator, pattern: str) -> np.ndarray:
+    """One live token per request from [sinks, length - recent): random, or the oldest."""
+    victims = []
+    for table in tables:
+        low, high = max(NUM_SINK_TOKENS, table.num_pinned_tokens), table.num_tokens + 1 - NUM_RECENT_TOKENS
+        live = table.live_mask
+        if pattern == "oldest":
+            token_id = low + int(np.argmax(live[low:high]))
+        else:
+            token_id = int(rng.integers(low, high))
+            while not live[token_id]:
+                token_id = int(rng.integers(low, high))
+        victims.append(token_id)
+    return np.array(victims, dtype=np.int64)
+
+
+class EvictingRun:
+    """R requests under one eviction per request per step, with the reclaimer on. `clock` is
+    the timer of `step` (time.process_time or time.perf_counter)."""
+
+    def __init__(self, num_requests: int, context_tokens: int, num_steps: int, config: ReclaimConfig,
+                 pattern: str = "random", every_step: bool = False, seed: int = 0, clock=time.process_time) -> None:
+        self.pool = BlockPool(num_pool_blocks(num_requests, context_tokens, num_steps) + 64 * num_requests, BLOCK_SIZE)
+        self.tables = make_tables(self.pool, num_requests, context_tokens)
+        self.reclaimer = Reclaimer(config, self.pool)
+        self.engine = CopyEngine(None, "sync")
+        self.by_id = {t.req_id: t for t in self.tables}
+        self.rng = np.random.default_rng(seed)
+        self.pattern = pattern
+        self.every_step = every_step
+        self.clock = clock
+        self.step_idx = 0
+        self.num_tokens_moved = 0
+        self.num_blocks_freed_by_eviction = 0
+        self.num_blocks_freed_by_plans = 0
+        self.num_plans = 0
+        self.num_rounds = 0  # steps whose reclamation launched plans
+
+    def prefragment(self, num_dead_per_request: int | None = None) -> None:
+        """Evict `num_dead_per_request` random tokens of every request (default: a different
+        number below S each, so that requests do not all reach a reclaimable block at once)."""
+        for table in self.tables:
+            low, high = max(NUM_SINK_TOKENS, table.num_pinned_tokens), table.num_tokens + 1 - NUM_RECENT_TOKENS
+            num_dead = int(self.rng.integers(0, BLOCK_SIZE)) if num_dead_per_request is None else num_dead_per_request
+            if num_dead:
+                candidates = low + np.flatnonzero(table.live_mask[low:high])
+                emptied = table.evict_tokens(np.sort(self.rng.choice(candidates, num_dead, replace=False)))
+                table.release_blocks(emptied)
+                self.pool.free(emptied)
+
+    def evict(self, victims: np.ndarray) -> None:
+        """One victim per request in one call; the blocks it emptied go back in one free."""
+        emptied = TokenTable.evict_one_each(self.tables, victims)
+        hit = np.flatnonzero(emptied >= 0)
+        if hit.size:
+            for table_idx in hit.tolist():
+                self.tables[table_idx].release_blocks(emptied[table_idx : table_idx + 1])
+            self.pool.free(emptied[hit])
+            self.num_blocks_freed_by_eviction += hit.size
+
+    def reclaim(self) -> None:
+        """Plan, launch, complete; every source block of the round goes back in one free."""
+        plans = self.reclaimer.plan(self.tables)
+        self.num_rounds += bool(plans)
+        for plan in plans:
+            self.by_id[plan.req_id].adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
+            self.engine.launch(plan)
+        freed = []
+        for plan in self.engine.poll_completed():
+            table = self.by_id[plan.req_id]
+            table.apply_moves(plan.moves)
+            table.release_blocks(plan.src_block_ids)
+            freed.append(plan.src_block_ids)
+            self.num_tokens_moved += plan.num_tokens_moved
+            self.num_blocks_freed_by_plans += plan.num_blocks_freed
+            self.num_plans += 1
+        if freed:
+            self.pool.free(np.concatenate(freed))
+
+    def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:
+        """One decode step; returns seconds spent in growth, evict, reclaim and slots."""
+        pool, clock = self.pool, self.clock
+        started = clock()
+        for table in self.tables:
+            grow_one(pool, table)
+        grown = clock()
+        self.evict(victims)
+        evicted = clock()
+        if self.every_step or self.reclaimer.is_eligible(self.step_idx):
+            self.reclaim()
+        reclaimed = clock()
+        for table in self.tables:
+            table.slots()
+        self.step_idx += 1
+        return grown - started, evicted - grown, reclaimed - evicted, clock() - reclaimed
+
+    def run(self, num_steps: int) -> np.ndarray:
+        """Seconds per step of the four parts, [num_steps, 4]."""
+        return np.array([self.step(choose_victims(self.tables, self.rng, self.pattern)) for _ in range(num_steps)])
+
+    def advance_in_bulk(self, num_steps: int) -> None:
+        """`num_steps` steps' growth and evictions at once, untimed and without the reclaimer:
+        every request grows by `num_steps` tokens and loses as many random live tokens of its
+        middle, in one call each (the caller keeps F below theta_F, where no round would run).
+        The slot lists are rebuilt after, as a step leaves them."""
+        pool = self.pool
+        for table in self.tables:
+            table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(num_steps)), table.num_tokens + num_steps)
+            low, high = max(NUM_SINK_TOKENS, table.num_pinned_tokens), table.num_tokens + 1 - NUM_RECENT_TOKENS
+            candidates = low + np.flatnonzero(table.live_mask[low:high])
+            emptied = table.evict_tokens(np.sort(self.rng.choice(candidates, num_steps, replace=False)))
+            table.release_blocks(emptied)
+            pool.free(emptied)
+            self.num_blocks_freed_by_eviction += emptied.size
+            table.slots()
+        self.step_idx += num_steps
+
+    def run_until_a_round(self, max_steps: int) -> np.ndarray:
+        """Steps until, and including, the next step whose reclamation launched plans."""
+        num_rounds, parts = self.num_rounds, []
+        while self.num_rounds == num_rounds:
+            if len(parts) == max_steps:
+                raise RuntimeError(f"no reclamation round in {max_steps} steps (F = {self.pool.waste_ratio():.3f})")
+            parts.append(self.step(choose_victims(self.tables, self.rng, self.pattern)))
+        return np.array(parts)

@@ -1,0 +1,89 @@
+"""benchmarks/bench_substrate.py runs end to end at a tiny size (4 requests x 1K): every table
+is printed and the JSON has a row per cadence against the modelled step; and the paced cadence
+it measures keeps the substrate's invariants and bounds its rounds. No timing is checked:
+figures come from the benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from vtoken.invariants import check_conservation, check_plan, check_unique_mapping
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    out = tmp_path / "substrate.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_substrate.py"), "--sizes", "4x1K", "--repeats", "2",
+         "--cadences", "default,paced", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stderr
+    for heading in ("growth + slots()", "one eviction per request per step", "one evict_one_each", "tokens moved per freed block"):
+        assert heading in completed.stdout
+    result = json.loads(out.read_text())
+    rows = {row["cadence"]: row for row in result["evict"]}
+    assert sorted(rows) == ["default", "paced"]
+    for row in rows.values():
+        assert (row["num_requests"], row["context_tokens"]) == (4, 1024)
+        assert row["modelled_step_us"] > 0
+        assert row["step_share"] == (row["evict_us"] + row["reclaim_us"]) / row["modelled_step_us"]
+        assert row["mean_range_us"][0] <= row["bookkeeping_us"] <= row["mean_range_us"][1]
+        assert row["worst_range_us"][0] <= row["worst_us"] <= row["worst_range_us"][1]
+        assert f"{100 * row['step_share']:.2f}% ({'met' if row['step_share'] <= 0.01 else 'MISSED'})" in completed.stdout
+    assert rows["default"]["max_moves_per_round"] is None
+    assert rows["paced"]["max_moves_per_round"] == rows["paced"]["paced_moves_per_round"]
+    assert all(row["num_blocks_freed"] > 0 for row in result["moves"] if row["mode"] == "hole-fill")
+
+
+def test_a_bad_size_is_a_one_line_usage_error() -> None:
+    completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_substrate.py"), "--sizes", "64by8K"],
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 2
+    assert "--sizes: '64by8K' is not REQUESTSxCONTEXT" in completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+def test_the_paced_cadence_keeps_every_invariant_and_bounds_every_round() -> None:
+    """The bench's paced reclaimer (check every step, a move budget, plans of at most 2 x budget
+    / S blocks) under one eviction per request per step: every plan passes the I4 check, the
+    mapping stays unique after every step, no live token is lost, and no round moves 3 x its
+    budget or more, while rounds keep the waste near theta_F."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from substrate_workload import BLOCK_SIZE, EvictingRun, choose_victims, paced_moves_per_round, reclaim_config
+    finally:
+        sys.path.pop(0)
+    step_us = 10_000.0
+    budget = paced_moves_per_round(step_us)
+    config = reclaim_config("paced", step_us)
+    assert (config.max_moves_per_round, config.max_src_blocks, config.check_interval_steps) == (budget, 2 * budget // BLOCK_SIZE, 1)
+    run = EvictingRun(8, 2048, 600, config, seed=5)
+    run.prefragment(int(config.theta_f * 2048) - 2 * BLOCK_SIZE)
+    plan_rounds = run.reclaimer.plan
+
+    def checked_plan(tables, busy=frozenset()):
+        plans = plan_rounds(tables, busy)
+        for plan in plans:
+            check_plan(plan, run.by_id[plan.req_id], run.pool, busy)
+        moved.append(sum(plan.num_tokens_moved for plan in plans))
+        return plans
+
+    moved: list[int] = []
+    run.reclaimer.plan = checked_plan
+    for _ in range(400):
+        victims = choose_victims(run.tables, run.rng, "random")
+        live_before = [np.setdiff1d(t.live_token_ids(), [v]) for t, v in zip(run.tables, victims.tolist())]
+        run.step(victims)
+        check_unique_mapping(run.pool, run.tables)
+        for table, live in zip(run.tables, live_before):
+            check_conservation(table.req_id, live, table.live_token_ids()[: live.size])
+    assert sum(m > 0 for m in moved) >= 10 and max(moved) < 3 * budget
+    assert run.num_blocks_freed_by_plans > 0 and run.pool.waste_ratio() < config.theta_f + 0.05
