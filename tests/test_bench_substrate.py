@@ -52,10 +52,10 @@ def test_a_bad_size_is_a_one_line_usage_error() -> None:
 
 
 def test_the_paced_cadence_keeps_every_invariant_and_bounds_every_round() -> None:
-    """The bench's paced reclaimer (check every step, a move budget, plans of at most 2 x budget
-    / S blocks) under one eviction per request per step: every plan passes the I4 check, the
-    mapping stays unique after every step, no live token is lost, and no round moves 3 x its
-    budget or more, while rounds keep the waste near theta_F."""
+    """The bench's paced reclaimer (check every step, a move budget, plans of at most 1.25 x
+    budget / S blocks) under one eviction per request per step: every plan passes the I4 check,
+    the mapping stays unique after every step, no live token is lost, and no round moves more
+    than 2.25 x its budget (a budget, then one whole plan), while rounds keep F near theta_F."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from substrate_workload import BLOCK_SIZE, EvictingRun, choose_victims, paced_moves_per_round, reclaim_config
@@ -64,7 +64,7 @@ def test_the_paced_cadence_keeps_every_invariant_and_bounds_every_round() -> Non
     step_us = 10_000.0
     budget = paced_moves_per_round(step_us)
     config = reclaim_config("paced", step_us)
-    assert (config.max_moves_per_round, config.max_src_blocks, config.check_interval_steps) == (budget, 2 * budget // BLOCK_SIZE, 1)
+    assert (config.max_moves_per_round, config.max_src_blocks, config.check_interval_steps) == (budget, 5 * budget // (4 * BLOCK_SIZE), 1)
     run = EvictingRun(8, 2048, 600, config, seed=5)
     run.prefragment(int(config.theta_f * 2048) - 2 * BLOCK_SIZE)
     plan_rounds = run.reclaimer.plan
@@ -85,5 +85,5 @@ def test_the_paced_cadence_keeps_every_invariant_and_bounds_every_round() -> Non
         check_unique_mapping(run.pool, run.tables)
         for table, live in zip(run.tables, live_before):
             check_conservation(table.req_id, live, table.live_token_ids()[: live.size])
-    assert sum(m > 0 for m in moved) >= 10 and max(moved) < 3 * budget
+    assert sum(m > 0 for m in moved) >= 10 and max(moved) < 2.25 * budget + BLOCK_SIZE
     assert run.num_blocks_freed_by_plans > 0 and run.pool.waste_ratio() < config.theta_f + 0.05
