@@ -1,6 +1,8 @@
-"""Write the sample traces in sample_traces/ and print their statistics for its README.
+"""Write the sample traces in sample_traces/ and examples/validation_trace.jsonl, and print their
+statistics for the READMEs.
 
-    python scripts/make_sample_traces.py [--out-dir sample_traces] [--azure-source PATH]
+    python scripts/make_sample_traces.py [--out-dir sample_traces] [--examples-dir examples]
+                                         [--azure-source PATH]
 
 Reproducible: the synthetic traces come from fixed seeds and the Azure slice is chosen by a
 deterministic rule, so re-running rewrites identical bytes.
@@ -25,11 +27,15 @@ AZURE_NUM_ROWS = 240
 AZURE_WINDOW_STRIDE = 40
 LONGBENCH_SEED = 20240611
 SHARED_PREFIX_SEED = 20240612
+VALIDATION_SEED = 20261201
+# every prompt length a calibration grid replays (vtoken/calibration/grid.py, the default and --quick)
+GRID_PROMPT_TOKENS = frozenset({32, 64, 128, 256, 512, 1024})
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "sample_traces")
+    parser.add_argument("--examples-dir", type=Path, default=REPO_ROOT / "examples")
     parser.add_argument("--azure-source", type=Path, default=DEFAULT_AZURE_SOURCE)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -38,8 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         "longbench_like.jsonl": jsonl_bytes(longbench_like_records()),
         "shared_prefix.jsonl": jsonl_bytes(shared_prefix_records()),
     }
-    for file_name, content in outputs.items():
-        path = args.out_dir / file_name
+    paths = {args.out_dir / name: content for name, content in outputs.items()}
+    paths[args.examples_dir / "validation_trace.jsonl"] = jsonl_bytes(validation_records())
+    for path, content in paths.items():
         path.write_bytes(content)
         print(describe(load_trace(path)))
 
@@ -100,6 +107,20 @@ def shared_prefix_records() -> list[dict]:
             record |= {"prefix_id": f"doc-{group_idx[idx]}", "prefix_length": num_prefix_tokens}
         records.append(record)
     return records
+
+
+def validation_records() -> list[dict]:
+    """32 requests for `vtoken validate`: prompts of 40-300 tokens and outputs of 8-40 (uniform),
+    no prompt of a length any calibration grid replays, arrivals every 0.5 s (validate replays
+    closed loop). The longest request is 301 tokens: at C = 4 validate's default budget is 41
+    blocks of 32."""
+    rng = np.random.default_rng(VALIDATION_SEED)
+    num_requests = 32
+    prompt_tokens = rng.integers(40, 301, num_requests)
+    prompt_tokens = [int(p) + 8 if int(p) in GRID_PROMPT_TOKENS else int(p) for p in prompt_tokens]
+    output_tokens = rng.integers(8, 41, num_requests)
+    return [{"request_id": f"v{idx:02d}", "timestamp": 0.5 * idx, "input_length": prompt_tokens[idx],
+             "output_length": int(output_tokens[idx])} for idx in range(num_requests)]
 
 
 def jsonl_bytes(records: list[dict]) -> bytes:

@@ -352,9 +352,11 @@ def test_sample_trace_script_rewrites_identical_bytes(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("make_sample_traces", REPO_ROOT / "scripts" / "make_sample_traces.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    script.main(["--out-dir", str(tmp_path), "--azure-source", str(AZURE_CONV)])
+    script.main(["--out-dir", str(tmp_path), "--examples-dir", str(tmp_path), "--azure-source", str(AZURE_CONV)])
     for name in ("azure_conv_sample.csv", "longbench_like.jsonl", "shared_prefix.jsonl"):
         assert (tmp_path / name).read_bytes() == (SAMPLE_TRACES / name).read_bytes(), name
+    validation = REPO_ROOT / "examples" / "validation_trace.jsonl"
+    assert (tmp_path / validation.name).read_bytes() == validation.read_bytes()
     printed = capsys.readouterr().out
     readme = (SAMPLE_TRACES / "README.md").read_text()
     for stats in ("240 requests over 41.9 s (5.73 req/s)", "24 requests over 115.7 s (0.21 req/s)",

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
 from vtoken import defaults
+from vtoken.calibration.grid import QUICK_GRID, CalibrationGrid
 from vtoken.calibration.model import Provenance, StepTimeModel
 from vtoken.engine.sim import SimProfile
 from vtoken.replay import SimReplayer
@@ -20,6 +22,7 @@ from vtoken.validate import (FIGURES, VALIDATED_VARIANTS, WARMUP_OUTPUT_TOKENS, 
                              warmup_requests)
 from vtoken_cli.options import build_experiment
 
+ROOT = Path(__file__).resolve().parent.parent
 TRUE = StepTimeModel(4e-3, 2e-3, 1e-7, 5e-4, 1e-3, 1e-8, 2e-7,
                      Provenance("vllm", "m", "c", 2, "t", "v", "cpu", "2026-12-01T00:00:00+00:00"))
 TRACE = "".join(json.dumps({"timestamp": 0, "input_length": 20 + 16 * i, "output_length": 10 + 2 * i}) + "\n"
@@ -144,3 +147,12 @@ def test_the_json_is_the_report(requests):
             assert payload["variants"][variant][figure] == {
                 "measured": c.measured, "simulated": c.simulated, "rel_error": c.rel_error,
                 "spread": {**asdict(c.spread), "values": list(c.spread.values)}}
+
+
+def test_the_validation_trace_is_none_of_the_grids_prompts():
+    trace = load_trace(ROOT / "examples" / "validation_trace.jsonl")
+    grid_prompts = {tokens for grid in (CalibrationGrid(), QUICK_GRID)
+                    for tokens in (*grid.decode_context_tokens, *grid.prefill_tokens, *grid.mixed_prefill_tokens,
+                                   grid.mixed_context_tokens)}
+    assert len(trace.requests) == 32
+    assert not {r.num_prompt_tokens for r in trace.requests} & grid_prompts
