@@ -5,8 +5,9 @@
 - `vtoken/` never imports typer or rich, anywhere in a file;
 - a run is made from an experiment in `vtoken/engine/experiment.py` only (`Experiment.run`,
   `Run.with_variant`): no other module builds a `RunSpec` or `replace`s a `variant` in;
-- a private method of vtoken's (`def _name`) is called on `self`, `cls` or `super()` only: what
-  one object hands another (a replayer's loaded model, the runner's copy) is public and documented.
+- a private method of vtoken's (`def _name`) is called on `self`, `cls` or `super()`, or on
+  another instance inside the class that defines it, only: what one object hands another (a
+  replayer's loaded model, the runner's copy) is public and documented.
 """
 
 from __future__ import annotations
@@ -209,26 +210,35 @@ def test_only_the_experiment_module_makes_a_run_from_an_experiment():
 
 def private_method_calls(tree: ast.AST, private_names: set[str]) -> list[tuple[int, str]]:
     """(line, call) of every call `x._name(...)` with `_name` in `private_names` on anything but
-    `self`, `cls` or `super()`."""
+    `self`, `cls` or `super()`, outside a class that defines `_name` itself (a class may use its
+    own private methods on another instance of it)."""
     calls = []
-    for node in ast.walk(tree):
+
+    def visit(node: ast.AST, own_methods: frozenset[str]) -> None:
+        if isinstance(node, ast.ClassDef):
+            own_methods = frozenset(n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
         is_method_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-        if not is_method_call or node.func.attr not in private_names:
-            continue
-        owner = node.func.value
-        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
-            continue
-        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
-            continue
-        calls.append((node.lineno, ast.unparse(node.func)))
-    return calls
+        if is_method_call and node.func.attr in private_names and node.func.attr not in own_methods:
+            owner = node.func.value
+            is_own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+            is_super = isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
+            if not (is_own or is_super):
+                calls.append((node.lineno, ast.unparse(node.func)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, own_methods)
+
+    visit(tree, frozenset())
+    return sorted(calls)
 
 
 def test_the_private_call_detector_sees_another_objects_private_method():
     tree = ast.parse("replayer._loaded()\nself._loaded()\nsuper()._loaded()\ncls._loaded()\nx.loaded()\n"
-                     "a.b._folder(1)\nobj._other()\n")
+                     "a.b._folder(1)\nobj._other()\n"
+                     "class Table:\n    def _folder(self):\n        return other._folder()\n"
+                     "    def f(self):\n        return other._loaded()\n")
 
-    assert private_method_calls(tree, {"_loaded", "_folder"}) == [(1, "replayer._loaded"), (6, "a.b._folder")]
+    assert private_method_calls(tree, {"_loaded", "_folder"}) == [(1, "replayer._loaded"), (6, "a.b._folder"),
+                                                                   (12, "other._loaded")]
 
 
 def test_no_module_calls_a_private_method_of_another_object():
