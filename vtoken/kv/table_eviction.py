@@ -70,9 +70,9 @@ class EvictionVerbs:
         if len({id(table) for table in tables}) != len(tables) or any(table.pool is not pool for table in tables):
             raise VTokenError("evict_one_each needs distinct tables of one pool")
         ids = np.asarray(token_ids, dtype=np.int64).tolist()
-        slots = [table._evictable_slot(token_id) for table, token_id in zip(tables, ids)]  # checks all first
+        slots = [table.evictable_slot(token_id) for table, token_id in zip(tables, ids)]  # checks all first
         for table, token_id, slot in zip(tables, ids, slots):
-            table._forget_one(token_id, slot)
+            table.mark_dead(token_id, slot)
         slot_array = np.array(slots, dtype=np.int64)
         tables[0]._token_at[slot_array] = -1  # the pool's reverse map, shared by its tables
         block_ids = slot_array // pool.block_size
@@ -82,16 +82,17 @@ class EvictionVerbs:
 
     def _evict_one(self, token_id: int) -> np.ndarray:
         """`evict_tokens` of a single id, with scalars only (same checks, same result)."""
-        slot = self._evictable_slot(token_id)
-        self._forget_one(token_id, slot)
+        slot = self.evictable_slot(token_id)
+        self.mark_dead(token_id, slot)
         self._token_at[slot] = -1
         block_id = slot // self.block_size
         if self.pool.remove_live_token(block_id):
             return _NO_BLOCKS
         return np.array([block_id], dtype=np.int64)
 
-    def _evictable_slot(self, token_id: int) -> int:
-        """The slot of `token_id`; raises unless it is a live token outside the pinned prefix."""
+    def evictable_slot(self, token_id: int) -> int:
+        """The slot of `token_id`; raises VTokenError unless it is a live token outside the
+        pinned prefix. Changes nothing: the first half of one eviction (`mark_dead` the second)."""
         if not 0 <= token_id < self.num_tokens:
             raise VTokenError(f"request {self.req_id}: cannot evict unknown token {token_id} (length {self.num_tokens})")
         if not self._live.item(token_id):
@@ -100,9 +101,11 @@ class EvictionVerbs:
             raise VTokenError(f"request {self.req_id}: token {token_id} is in the shared prefix and cannot be evicted")
         return self._slot.item(token_id)
 
-    def _forget_one(self, token_id: int, slot: int) -> None:
-        """The table's half of a single eviction: live bit, slot list, counts. The caller
-        clears the reverse map and the block's live count."""
+    def mark_dead(self, token_id: int, slot: int) -> None:
+        """The table's half of evicting `token_id` at `slot` (from `evictable_slot`): its live
+        bit, slot list and counts. The pool's half, its reverse-map entry and its block's live
+        count, is the caller's: `evict_tokens` and `evict_one_each` do it at once after, and
+        nothing else may call this."""
         if self._num_pending and 0 <= slot - self._tail_slot < self.block_size:
             self.flush()  # the tail's count must be whole before it can tell whether the block emptied
         live = self._live
