@@ -44,9 +44,9 @@ def main() -> None:
     started = time.perf_counter()
     results = run_variants(replace(base, num_blocks=28019), trace.requests, 32)
     elapsed = time.perf_counter() - started
-    steps = sum(r.num_decode_steps for r in results.values())
+    steps = sum(r.num_iterations for r in results.values())
     print(f"azure conv ({len(trace.requests)} requests) x 3 variants at C=32: {elapsed:.1f} s host, "
-          f"{steps} simulated decode steps, {1e6 * elapsed / steps:.1f} us host per decode step")
+          f"{steps} simulated engine steps, {1e6 * elapsed / steps:.1f} us host per step")
     for name, r in results.items():
         print(f"  {name:12s} F={r.waste_ratio:.3f} le_half={r.frac_blocks_le_half:.3f} tok/s={r.throughput_tok_s:.0f} "
               f"p95={r.latency.p95_s:.2f}s moved={r.tokens_moved} host={r.host_time_s:.1f}s")
@@ -55,15 +55,13 @@ def main() -> None:
 
 
 class CopyTimingSim(SimExecutor):
-    """The sim executor, adding up the copy time: all of it, and what it charges (the part past
-    the post-forward overlap window)."""
+    """The sim executor, adding up the copy time it charges (the part past the post-forward
+    overlap window)."""
 
     copy_s = 0.0
-    raw_copy_s = 0.0
 
     def execute(self, batch, load):
         self.copy_s += self.copy_time_s(load.num_copied_tokens)
-        self.raw_copy_s += 2 * load.num_copied_tokens * self.model.kv_bytes_per_token / self._kv_rate
         return super().execute(batch, load)
 
 
@@ -74,20 +72,19 @@ def pressure_cost() -> None:
         batch = [replace(paper[0], request_id=f"r{i}") for i in range(concurrency)]
         experiment = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=budget, eviction=eviction)
         executor = CopyTimingSim(experiment.model, experiment.gpu, experiment.sim, experiment.seed)
-        runtime = Runtime(experiment.run("vtoken", None, admit_all_at_start=True), batch, executor)
-        result = runtime.run()
+        result = Runtime(experiment.run("vtoken", None, admit_all_at_start=True), batch, executor).run()
         num_generated = sum(r.num_output_tokens for r in batch)
         print(f"pressure packing, budget {budget} blocks, C={concurrency}: {result.num_completed} completed, "
               f"{result.preemptions} preempted, peak {result.peak_allocated_blocks} blocks")
-        for trigger, work in runtime.reclaim_work.items():
-            per_block = work.num_tokens_moved / work.num_blocks_freed if work.num_blocks_freed else 0.0
+        for trigger, work in (("lazy", result.lazy_reclaim), ("pressure", result.pressure_reclaim),
+                              ("layout", result.layout_reclaim)):
+            cost = work.cost(num_generated, result.num_iterations)
             print(f"  {trigger:8s} {work.num_rounds} rounds, {work.num_plans} plans, {work.num_blocks_freed} blocks freed, "
-                  f"{work.num_tokens_moved} tokens copied: {per_block:.1f} per freed block, "
-                  f"{work.num_tokens_moved / num_generated:.3f} per generated token")
-        print(f"  copy time: {1e6 * executor.raw_copy_s / result.num_iterations:.2f} us per iteration, "
-              f"{1e6 * executor.raw_copy_s / result.num_decode_steps:.3f} us per decode step; on the critical path "
-              f"{1e6 * executor.copy_s / result.num_iterations:.2f} us per iteration ({result.num_iterations} "
-              f"iterations, {result.num_decode_steps} decode steps, makespan {result.makespan_s:.1f} s)")
+                  f"{work.num_tokens_moved} tokens copied: {cost['tokens_per_freed_block'] or 0:.1f} per freed block, "
+                  f"{cost['tokens_per_generated_token'] or 0:.3f} per generated token, "
+                  f"{1e6 * (cost['copy_s_per_step'] or 0):.2f} us of copy per step")
+        print(f"  on the critical path {1e6 * executor.copy_s / result.num_iterations:.2f} us per step "
+              f"({result.num_iterations} steps, makespan {result.makespan_s:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ def modelled_step_us(num_requests: int, context_tokens: int) -> float:
     each (every slot live), for the default model and GPU, in microseconds."""
     executor = SimExecutor(resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU), SimProfile(), defaults.SEED)
     num_slots = num_requests * context_tokens
-    load = StepLoad(num_decode_steps=1, num_kv_slots_read=num_slots, num_live_kv_tokens=num_slots,
-                    num_decoding_requests=num_requests, num_prefill_tokens=0, num_copied_tokens=0)
+    load = StepLoad(num_kv_slots_read=num_slots, num_live_kv_tokens=num_slots, num_decoding_requests=num_requests,
+                    prefill_chunks=(), num_copied_tokens=0)
     return 1e6 * executor.iteration_time_s(load)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from vtoken.calibration.fit import MeasuredStep, fit_step_model, nnls_relative
 from vtoken.calibration.model import FEATURES, Provenance, StepTimeModel, step_features
-from vtoken.engine.executor import StepLoad, prefill_kv_pairs
+from vtoken.engine.executor import ChunkLoad, StepLoad, copy_load, prefill_kv_pairs
 from vtoken.errors import ConfigError
 
 TRUE = StepTimeModel(overhead_s=4e-3, per_decode_token_s=2.5e-3, per_kv_slot_s=3e-7, per_prefill_token_s=1.2e-3,
@@ -15,12 +15,11 @@ TRUE = StepTimeModel(overhead_s=4e-3, per_decode_token_s=2.5e-3, per_kv_slot_s=3
 
 
 def decode(num_requests: int, context: int) -> StepLoad:
-    return StepLoad(1, num_requests * context, num_requests * context, num_requests, 0, 0)
+    return StepLoad(num_requests * context, num_requests * context, num_requests, (), 0)
 
 
 def prefill(prompts: list[int], num_decodes: int = 0, context: int = 0) -> StepLoad:
-    return StepLoad(1, num_decodes * context, num_decodes * context, num_decodes, sum(prompts), 0,
-                    num_prefill_requests=len(prompts), num_prefill_kv_pairs=sum(prefill_kv_pairs(0, p) for p in prompts))
+    return StepLoad(num_decodes * context, num_decodes * context, num_decodes, tuple(ChunkLoad(0, 0, p) for p in prompts), 0)
 
 
 def grid_steps(model: StepTimeModel, noise: float, seed: int = 0) -> list[MeasuredStep]:
@@ -28,7 +27,7 @@ def grid_steps(model: StepTimeModel, noise: float, seed: int = 0) -> list[Measur
     loads = [("decode", decode(b, c)) for b in (1, 2, 4, 8) for c in (64, 256, 1024)]
     loads += [("prefill", prefill([p])) for p in (32, 128, 512, 1024)] + [("prefill", prefill([256, 256]))]
     loads += [("mixed", prefill([p], b, 256)) for p in (64, 512) for b in (2, 8)]
-    loads += [("copy", StepLoad(1, 0, 0, 0, 0, n)) for n in (32, 256, 2048)]
+    loads += [("copy", copy_load(n)) for n in (32, 256, 2048)]
     steps = []
     for _ in range(3):
         for kind, load in loads:
@@ -37,11 +36,13 @@ def grid_steps(model: StepTimeModel, noise: float, seed: int = 0) -> list[Measur
     return steps
 
 
-def test_features_count_fused_decode_steps():
-    # 3 decodes at 100 slots each, 4 fused steps: slots 4 * 300 + 3 * (0 + 1 + 2 + 3)
-    load = StepLoad(4, 300, 300, 3, 0, 0)
-    assert step_features(load).tolist() == [4, 12, 1218, 0, 0, 0]
+def test_features_count_one_step():
+    # 3 decodes reading 300 slots (240 live), a 4-token chunk after 6 cached slots (5 live), a new 2-token prompt
+    load = StepLoad(300, 240, 3, (ChunkLoad(6, 5, 4), ChunkLoad(0, 0, 2)), 0)
+    assert step_features(load).tolist() == [1, 3, 300, 6, 2, 4 * 6 + 10 + 3]
+    assert step_features(load, reads_extent=False).tolist() == [1, 3, 240, 6, 2, 4 * 5 + 10 + 3]
     assert prefill_kv_pairs(0, 4) == 10 and prefill_kv_pairs(6, 2) == 15
+    assert step_features(copy_load(64)).tolist() == [0, 0, 0, 0, 0, 0]
 
 
 def test_fit_recovers_known_coefficients_without_noise():
@@ -114,13 +115,13 @@ def test_sim_costs_steps_with_the_fitted_model():
     from vtoken.hardware import resolve_gpu
     from vtoken.model_spec import resolve_model
 
-    load = StepLoad(3, 900, 600, 4, 128, 256, num_prefill_requests=1, num_prefill_kv_pairs=prefill_kv_pairs(0, 128))
+    load = StepLoad(900, 600, 4, (ChunkLoad(0, 0, 128),), 256)
     model, gpu = resolve_model("llama-3.1-8b"), resolve_gpu("a100-80gb")
     fitted = SimExecutor(model, gpu, SimProfile(sync_copy=True, step_model=TRUE), 0)
     assert fitted.iteration_time_s(load) == pytest.approx(TRUE.forward_time_s(load) + 256 * TRUE.per_copied_token_s)
-    # the gather kernel reads live tokens: 300 fewer slots at each of 3 steps
+    # the gather kernel reads live tokens: 300 fewer slots
     gather = SimExecutor(model, gpu, SimProfile(sync_copy=True, step_model=TRUE, attention_reads="live-tokens"), 0)
-    assert fitted.iteration_time_s(load) - gather.iteration_time_s(load) == pytest.approx(900 * TRUE.per_kv_slot_s)
+    assert fitted.iteration_time_s(load) - gather.iteration_time_s(load) == pytest.approx(300 * TRUE.per_kv_slot_s)
     hidden = SimExecutor(model, gpu, SimProfile(copy_overlap_s=1.0, step_model=TRUE), 0)
     assert hidden.iteration_time_s(load) == pytest.approx(TRUE.forward_time_s(load))
     assert SimProfile().describe_step_times() == "catalog roofline estimates (not calibrated)"

@@ -144,9 +144,10 @@ def test_a_server_workload_is_shown_with_its_bucket_ranges() -> None:
     for fragment in ("source server:", "observed 1 finished requests (length 1)",
                      "prompt tokens mean 4.0 (3-5), p50 4.0 (3-5), p90 4.8 (3-5)",
                      "output tokens mean 16.0 (11-20), p50 15.5 (11-20), p90 19.1 (11-20)",
-                     "rate not sampled (--window SECONDS", "(lo-hi): over replays", "(0.765-",
+                     "rate not sampled (--window SECONDS", "(lo-hi): over replays",
                      "histogram buckets"):
         assert fragment in out, fragment
+    assert re.search(r"F \(waste ratio\) \d\.\d{3} \(\d\.\d{3}-\d\.\d{3}\)", out), "F has no (lo-hi) range"
     assert "bundled sample" not in out
 
 

@@ -45,7 +45,9 @@ def test_clean_run_over_every_sample_trace_exits_0_with_both_tables():
 
 @pytest.mark.parametrize("fault", FAULT_KINDS)
 def test_each_fault_exits_1_caught_by_the_invariant_it_breaks(fault):
-    result = invoke(str(SHARED), *ONE_RUN, "--inject-fault", fault, "--json")
+    # shared-block needs a plan while a prefix is shared: requests of a prefix group resident together
+    shared = ["--concurrency", "12"] if fault == "shared-block" else []
+    result = invoke(str(SHARED), *ONE_RUN, *shared, "--inject-fault", fault, "--json")
     assert result.exit_code == 1, result.output
     payload = json.loads(result.stdout)
     expected = FAULT_DETECTED_BY[fault]

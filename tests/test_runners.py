@@ -125,7 +125,7 @@ def test_the_key_covers_every_field_of_the_run_and_the_code(monkeypatch) -> None
     job = ReplayJob(make_run(), REQUESTS)
     key = job_key(job)
     assert job_key(ReplayJob(make_run(), tuple(REQUESTS))) == key
-    assert job_key(ReplayJob(make_run(scheduler=SchedulerConfig(max_fused_steps=15)), REQUESTS)) != key
+    assert job_key(ReplayJob(make_run(scheduler=SchedulerConfig(max_num_batched_tokens=4096)), REQUESTS)) != key
     assert job_key(ReplayJob(make_run(scheduler=SchedulerConfig(max_num_seqs=255)), REQUESTS)) != key
     assert job_key(ReplayJob(make_run(reclaim=ReclaimConfig(theta_f=0.05)), REQUESTS)) != key
     assert job_key(ReplayJob(make_run(eviction=EvictionConfig("tova", Budget(keep_ratio=0.5), 8)), REQUESTS)) != key

@@ -150,6 +150,7 @@ def frontier(base: Experiment, requests: Sequence[Request], concurrencies: Seque
     """Block demand and feasibility of C co-resident requests (the first C of `requests`,
     cycled if fewer), per variant: see the module docstring. `run_many`: how a batch of
     replays runs (a replayer's); default: one after the other in this process through `replay`."""
+    base = base.with_scheduler_defaults()
     budget = base.num_blocks
     if run_many is None:
         run_many = lambda jobs, on_done: SerialRunner().map(lambda job: replay(job.run, job.requests), jobs, on_done)  # noqa: E731

@@ -118,7 +118,7 @@ def report_to_json(report: CalibrationReport) -> dict:
         "grid": profile.grid.as_dict(),
         "engine": profile.engine,
         "fit_error": {kind: asdict(e) for kind, e in profile.fit_errors.items()},
-        "steps": [{"kind": s.kind, **asdict(s.load), "measured_s": s.measured_s, "predicted_s": p}
+        "steps": [{"kind": s.kind, **s.load.counts(), "measured_s": s.measured_s, "predicted_s": p}
                   for s, p in zip(report.steps, report.predicted_s)],
     })
 

@@ -27,6 +27,7 @@ from vtoken.analysis import (Frontier, Interval, Progress, SlaResult, SweepPoint
                              sla_selection, sweep_jobs, sweep_points)
 from vtoken import defaults
 from vtoken.engine import VARIANTS, Experiment, SimProfile
+from vtoken.engine.batch_limits import vllm_batch_defaults
 from vtoken.engine.hf_compare import MeasuredExtras
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
@@ -210,7 +211,7 @@ def report_to_json(report: CompareReport) -> dict:
             "eviction_interval_tokens": cfg.eviction.interval_tokens, "reclaim": asdict(cfg.reclaim),
             "seed": cfg.seed, "repeats": report.options.repeats, "sim_profile": cfg.sim.as_dict(),
             "step_times": step_times_json(cfg.sim, report.executor),
-            "percentile_method": "linear", "executor": report.executor,
+            "percentile_method": "linear", "executor": report.executor, "scheduler": scheduler_to_json(cfg),
         },
         "variants": variants,
         "sweep": [asdict(p) for p in report.sweep],
@@ -234,6 +235,14 @@ def report_to_json(report: CompareReport) -> dict:
     return make_json_safe(out)
 
 
+def scheduler_to_json(experiment: Experiment) -> dict:
+    """The scheduler's settings of a run, and vLLM's defaults on its GPU with where they come from."""
+    vllm = vllm_batch_defaults(experiment.gpu)
+    return {**asdict(experiment.scheduler),
+            "vllm_defaults": {"max_num_batched_tokens": vllm.max_num_batched_tokens, "max_num_seqs": vllm.max_num_seqs,
+                              "source": vllm.source}}
+
+
 def variant_to_json(result: RunResult) -> dict:
     """One variant's figures under `--json`'s "variants" (compare's, and each sweep point's)."""
     entry = {k: _num(v) for k, v in result.headline().items()}
@@ -241,6 +250,7 @@ def variant_to_json(result: RunResult) -> dict:
     entry["preemptions"] = result.preemptions
     entry["tokens_moved"] = result.tokens_moved
     entry["blocks_reclaimed"] = result.blocks_reclaimed
+    entry["pressure_packing"] = {k: _num(v) if isinstance(v, float) else v for k, v in result.pressure_packing().items()}
     entry.update(relocation_events=result.relocation_events, tokens_evicted=result.tokens_evicted,
                  peak_allocated_blocks=result.peak_allocated_blocks, num_completed=result.num_completed,
                  num_skipped=len(result.skipped), makespan_s=_num(result.makespan_s),

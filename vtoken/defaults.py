@@ -16,6 +16,22 @@ BLOCK_SIZE = 16  # tokens per KV block: vLLM's default on CUDA
 # `vtoken serve`, the vLLM settings and `check-invariants --executor vllm`.
 VLLM_BLOCK_SIZE = 32
 
+# ---- scheduling (vLLM V1) ----------------------------------------------------------------------
+
+# What vLLM 0.32 gives a server (`vllm serve`, UsageContext.OPENAI_API_SERVER) that sets none of
+# them, by the GPU's memory: vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults. Rows are
+# (least device memory in GiB, max_num_batched_tokens, max_num_seqs); the first row the GPU
+# reaches applies. That function excludes A100s from the 70 GiB row (vLLM PR #17885: a larger
+# token budget lowers their throughput), hence the name check in engine/scheduler_config.py.
+# Used when vLLM cannot be read (`engine.scheduler_config.vllm_batch_defaults`).
+VLLM_BATCH_DEFAULTS = ((160, 16384, 1024), (70, 8192, 1024), (0, 2048, 256))
+VLLM_BATCH_DEFAULTS_NOT_70GIB = ("a100",)  # device names that never take the 70 GiB row
+# vllm/config/scheduler.py SchedulerConfig: `enable_chunked_prefill: bool = True` (and
+# ModelConfig.is_chunked_prefill_supported is True for decoder-only generate models), and
+# `long_prefill_token_threshold: int = 0` (0: no cap on a prompt chunk).
+ENABLE_CHUNKED_PREFILL = True
+LONG_PREFILL_TOKEN_THRESHOLD = 0
+
 # ---- eviction ----------------------------------------------------------------------------------
 
 POLICY = "h2o"  # a name of vtoken.policies.POLICIES

@@ -135,6 +135,32 @@ class RunCounters:
 
 
 @dataclass(frozen=True)
+class ReclaimWork:
+    """What one reclamation trigger (lazy, pressure or layout: engine/runtime.py) planned over a run.
+    `copy_s`: the modelled time of those copies on the HBM, overlapped or not (None where the
+    executor does not model it)."""
+
+    num_rounds: int = 0  # times the trigger fired
+    num_plans: int = 0
+    num_tokens_moved: int = 0
+    num_blocks_freed: int = 0
+    copy_s: float | None = 0.0
+
+    def plus(self, num_plans: int, num_tokens_moved: int, num_blocks_freed: int, copy_s: float | None) -> "ReclaimWork":
+        total_s = None if copy_s is None or self.copy_s is None else self.copy_s + copy_s
+        return ReclaimWork(self.num_rounds + 1, self.num_plans + num_plans, self.num_tokens_moved + num_tokens_moved,
+                           self.num_blocks_freed + num_blocks_freed, total_s)
+
+    def cost(self, num_generated_tokens: int, num_steps: int) -> dict[str, float | None]:
+        """Tokens copied per freed block and per generated token, copy time per step."""
+        return {
+            "tokens_per_freed_block": self.num_tokens_moved / self.num_blocks_freed if self.num_blocks_freed else None,
+            "tokens_per_generated_token": self.num_tokens_moved / num_generated_tokens if num_generated_tokens else None,
+            "copy_s_per_step": self.copy_s / num_steps if num_steps and self.copy_s is not None else None,
+        }
+
+
+@dataclass(frozen=True)
 class RunResult:
     variant: str
     policy: str
@@ -164,11 +190,15 @@ class RunResult:
     host_time_s: float
     timeline: Timeline = field(repr=False, compare=False)
     requests: tuple[RequestRecord, ...] = field(default=(), repr=False, compare=False)  # in order of finish
+    lazy_reclaim: ReclaimWork = ReclaimWork()  # what the lazy trigger (F >= theta_F) did
+    pressure_reclaim: ReclaimWork = ReclaimWork()  # what packing under memory pressure did
+    layout_reclaim: ReclaimWork = ReclaimWork()  # re-packing a request that held more than uncompacted
 
     @classmethod
     def from_recording(cls, recorder: "Recorder", counters: RunCounters, *, variant: str, policy: str,
                        num_requests: int, skipped: tuple[tuple[str, str], ...], num_iterations: int,
-                       num_decode_steps: int, host_time_s: float) -> "RunResult":
+                       num_decode_steps: int, host_time_s: float,
+                       reclaim_work: dict[str, ReclaimWork] | None = None) -> "RunResult":
         """The one way a run becomes a result, for every executor."""
         means, histogram = recorder.means()
         makespan_s = recorder.makespan_s
@@ -201,7 +231,15 @@ class RunResult:
             host_time_s=host_time_s,
             timeline=recorder.timeline(),
             requests=tuple(recorder.finished),
+            **({f"{trigger}_reclaim": work for trigger, work in reclaim_work.items()} if reclaim_work else {}),
         )
+
+    def pressure_packing(self) -> dict[str, float | None]:
+        """What packing under memory pressure did and cost (compare --json's "pressure_packing")."""
+        work = self.pressure_reclaim
+        num_generated = sum(r.num_output_tokens for r in self.requests)
+        return {"rounds": work.num_rounds, "plans": work.num_plans, "tokens_copied": work.num_tokens_moved,
+                "blocks_freed": work.num_blocks_freed, **work.cost(num_generated, self.num_iterations)}
 
     def headline(self) -> dict[str, float]:
         """The figures `compare --json` reports per variant (and repeats average)."""

@@ -120,7 +120,7 @@ class SimReplayer:
                 num_blocks: int | None = None) -> Experiment:
         if num_blocks is None:
             num_blocks = num_blocks_for_gpu(experiment.model, experiment.gpu, self.gpu_mem_util, experiment.block_size)
-        return replace(experiment, num_blocks=num_blocks)
+        return replace(experiment, num_blocks=num_blocks).with_scheduler_defaults()
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None, num_rounds: int = 1, num_warmup: int = 0,
@@ -197,8 +197,11 @@ class HFReplayer:
 
     def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                 num_blocks: int | None = None) -> Experiment:
+        from vtoken.engine.hf import prepare_requests, whole_prompts
+
         model = self.loaded_model()
         experiment = replace(experiment, model=model.spec)
+        experiment = whole_prompts(experiment, prepare_requests(requests, model.tokenizer, experiment.seed).requests)
         return replace(experiment, num_blocks=num_blocks or hf_num_blocks(experiment, requests, concurrency, model))
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,

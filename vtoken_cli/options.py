@@ -15,8 +15,8 @@ import typer
 from vtoken import defaults
 from vtoken.cache import RunCache, default_cache_dir
 from vtoken.engine import EvictionConfig, Experiment, SimProfile
-from vtoken.engine.experiment import VARIANTS
-from vtoken.engine.sim import load_sim_profile
+from vtoken.engine.experiment import VARIANTS, SchedulerConfig
+from vtoken.engine.sim import load_scheduler_overrides, load_sim_profile
 from vtoken.errors import ConfigError
 from vtoken.hardware import GPUS, GpuSpec, num_blocks_for_gpu, resolve_gpu
 from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
@@ -69,6 +69,22 @@ Rounds = Annotated[Optional[int], typer.Option(
 Warmup = Annotated[Optional[int], typer.Option(
     help=f"Measured executors: replays of every variant before the rounds, dropped. Default: "
          f"{defaults.MEASURED_WARMUP} (the sim: 0).")]
+# vLLM V1's scheduler limits: flag > the sim profile's [scheduler] table > what `vllm serve` takes
+MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(
+    help="Token budget of one engine step (vLLM's max_num_batched_tokens), shared by the decodes (first) and "
+         "prompt chunks. Default: what vllm serve takes on --gpu (8192 on an H100).")]
+MaxNumSeqs = Annotated[Optional[int], typer.Option(
+    help="Most running requests (vLLM's max_num_seqs). Default: what vllm serve takes on --gpu (1024 on an H100).")]
+ChunkedPrefill = Annotated[Optional[bool], typer.Option(
+    "--chunked-prefill/--no-chunked-prefill",
+    help="Split prompts across steps within the token budget (vLLM's default: on); off: a prompt is scheduled "
+         "whole or waits.")]
+LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
+    help="Largest chunk of one prompt in one step while other requests are there (vLLM's "
+         "long_prefill_token_threshold; 0, the default: no cap).")]
+EvictEveryChunk = Annotated[bool, typer.Option(
+    help="Also run the policy after each prompt chunk, on the prompt so far (policies that need no attention "
+         "scores: streaming_llm, random); default: after the last chunk only.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 Output = Annotated[Optional[Path], typer.Option(help="Write the report's JSON, CSV tables and plots into this directory.")]
 Force = Annotated[bool, typer.Option(help="Replace a non-empty --output directory.")]
@@ -178,8 +194,11 @@ def build_experiment(
     sim_profile: Path | None,
     reclaim_budget: int | None = None,
     reclaim_interval: int = defaults.RECLAIM_INTERVAL_STEPS,
+    scheduler: dict[str, object] | None = None,
 ) -> Experiment:
-    """The `Experiment` of a command's flags; every bad flag is a ConfigError that names it."""
+    """The `Experiment` of a command's flags; every bad flag is a ConfigError that names it.
+    `scheduler`: the scheduler flags given (`scheduler_flags`), over the sim profile's
+    [scheduler] table, over vLLM's defaults for the GPU."""
     if block_size <= 0:
         raise ConfigError(f"--block-size must be > 0, got {block_size}")
     if not 0 < gpu_mem_util <= 1:
@@ -201,9 +220,23 @@ def build_experiment(
         eviction=EvictionConfig(resolve_policies([policy])[0], parse_budget(budget), eviction_interval),
         reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f, check_interval_steps=reclaim_interval,
                               max_moves_per_round=reclaim_budget),
+        scheduler=SchedulerConfig(**{**(load_scheduler_overrides(sim_profile) if sim_profile else {}),
+                                     **(scheduler or {})}),
         seed=seed,
         sim=load_sim_profile(sim_profile) if sim_profile else SimProfile(),
-    )
+    ).with_scheduler_defaults()
+
+
+def scheduler_flags(*, max_num_batched_tokens: int | None, max_num_seqs: int | None, chunked_prefill: bool | None,
+                    long_prefill_token_threshold: int | None, evict_every_chunk: bool) -> dict[str, object]:
+    """The scheduler flags a user gave, as `SchedulerConfig` fields (those not given are left out)."""
+    check_positive({"--max-num-batched-tokens": max_num_batched_tokens, "--max-num-seqs": max_num_seqs})
+    if long_prefill_token_threshold is not None and long_prefill_token_threshold < 0:
+        raise ConfigError(f"--long-prefill-token-threshold must be >= 0, got {long_prefill_token_threshold}")
+    given = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+             "enable_chunked_prefill": chunked_prefill, "long_prefill_token_threshold": long_prefill_token_threshold,
+             "evict_every_chunk": evict_every_chunk or None}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def check_concurrency(concurrency: int | None) -> int | None:

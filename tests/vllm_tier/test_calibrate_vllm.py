@@ -27,7 +27,7 @@ def test_a_vllm_step_load_counts_decodes_and_prompt_chunks():
     load = load_of({"a": 1, "b": 32, "c": 10}, {"a": 70, "b": 64, "c": 0}, {"a": 60, "b": 200, "c": 10})
     assert (load.num_decoding_requests, load.num_kv_slots_read, load.num_prefill_tokens, load.num_prefill_requests) == \
         (1, 70, 42, 2)
-    assert load.num_prefill_kv_pairs == 32 * 64 + 32 * 33 // 2 + 10 * 11 // 2
+    assert load.prefill_kv_pairs() == 32 * 64 + 32 * 33 // 2 + 10 * 11 // 2
     assert load_of({}, {}, {}) is None
 
 

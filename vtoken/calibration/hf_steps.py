@@ -20,8 +20,8 @@ import numpy as np
 from vtoken.calibration.fit import MeasuredStep, step_kind
 from vtoken.calibration.grid import CalibrationGrid, Scenario, scenarios, warmup_scenario
 from vtoken.engine.experiment import Experiment
-from vtoken.engine.executor import StepLoad
-from vtoken.engine.hf import HFExecutor, prepare_requests
+from vtoken.engine.executor import SCORE_FIELDS, StepLoad, copy_load
+from vtoken.engine.hf import HFExecutor, prepare_requests, whole_prompts
 from vtoken.engine.runtime import Runtime
 from vtoken.hardware import resolve_gpu
 from vtoken.models import LoadedModel
@@ -36,7 +36,7 @@ class RecordingExecutor:
     def __init__(self, inner: HFExecutor) -> None:
         self.inner = inner
         self.name = inner.name
-        self.max_fused_steps = inner.max_fused_steps
+        self.runs_prompt_chunks = inner.runs_prompt_chunks
         self.steps: list[MeasuredStep] = []
 
     def execute(self, batch, load: StepLoad) -> float:
@@ -44,8 +44,8 @@ class RecordingExecutor:
         self.steps.append(MeasuredStep(step_kind(load), load, elapsed_s))
         return elapsed_s
 
-    def attention_stats(self, req_idx, token_ids, num_tokens):
-        return self.inner.attention_stats(req_idx, token_ids, num_tokens)
+    def attention_stats(self, req_idx, token_ids, num_tokens, fields=SCORE_FIELDS):
+        return self.inner.attention_stats(req_idx, token_ids, num_tokens, fields)
 
     def forget(self, req_idx: int) -> None:
         self.inner.forget(req_idx)
@@ -71,6 +71,7 @@ def replay_timed(model: LoadedModel, scenario: Scenario) -> list[MeasuredStep]:
     num_blocks = scenario.concurrency * -(-longest // BLOCK_SIZE) + 1
     experiment = Experiment(model.spec, resolve_gpu("a100-80gb"), num_blocks, BLOCK_SIZE)  # the GPU is unused
     prepared = prepare_requests(requests, model.tokenizer, experiment.seed)
+    experiment = whole_prompts(experiment, prepared.requests)
     executor = RecordingExecutor(HFExecutor(model, prepared, num_blocks, BLOCK_SIZE, collect_scores=False))
     Runtime(experiment.run("native", scenario.concurrency), prepared.requests, executor).run()
     return executor.steps
@@ -95,5 +96,5 @@ def time_copies(model: LoadedModel, sizes: Sequence[int], seed: int) -> list[Mea
         kv.copy_slots(slots[:n], slots[n:])
         if kv.device.type == "cuda":
             torch.cuda.synchronize(kv.device)
-        steps.append(MeasuredStep("copy", StepLoad(1, 0, 0, 0, 0, n), time.perf_counter() - started))
+        steps.append(MeasuredStep("copy", copy_load(n), time.perf_counter() - started))
     return steps

@@ -1,19 +1,18 @@
 """A step-time model fitted to one engine on one machine: a fixed cost plus a price per unit of work.
 
-For an iteration of k fused decode steps over n decoding requests (k = 1 whenever prompt
-tokens run, as in vLLM V1's mixed steps, which carry decodes and prompt chunks in one forward):
+For one step (one forward, as vLLM V1 schedules it: n decoding requests and prompt chunks together):
 
-    t = k * overhead_s                                         scheduling, input preparation, launch
-      + n * k               * per_decode_token_s               projections, MLP, LM head, sampling per token
-      + kv_slots_read       * per_kv_slot_s                    paged attention over the decodes' KV extents
-      + prefill_tokens      * per_prefill_token_s              projections and MLP of prompt tokens
-      + prefill_requests    * per_prefill_request_s            a prompt's own cost (hf: one forward each;
-                                                               vLLM: its LM-head row and sampled token)
-      + prefill_kv_pairs    * per_prefill_kv_pair_s            causal attention of the prompt chunks
-      + copy_s                                                 relocation copies on the critical path
+    t = overhead_s                                         scheduling, input preparation, launch
+      + n                   * per_decode_token_s           projections, MLP, LM head, sampling per token
+      + kv_slots_read       * per_kv_slot_s                paged attention over the decodes' KV extents
+      + prefill_tokens      * per_prefill_token_s          projections and MLP of prompt tokens
+      + prefill_requests    * per_prefill_request_s        a prompt's own cost (hf: one forward each;
+                                                           vLLM: its LM-head row and sampled token)
+      + prefill_kv_pairs    * per_prefill_kv_pair_s        causal attention of the prompt chunks over
+                                                           their context and themselves
+      + copy_s                                             relocation copies on the critical path
 
-    kv_slots_read = k * (slots read at the first step) + n * k (k - 1) / 2    (each step adds one per decode)
-    copy_s        = copied_tokens * per_copied_token_s, less what the post-forward window hides
+    copy_s = copied_tokens * per_copied_token_s, less what the post-forward window hides
 
 The features are exactly `StepLoad`'s counts (vtoken/engine/executor.py), so the sim costs with
 this model the same steps the runtime schedules. Every coefficient is >= 0 (the fit is NNLS).
@@ -79,7 +78,7 @@ class StepTimeModel:
         return np.array([getattr(self, name) for name in FEATURES])
 
     def forward_time_s(self, load: StepLoad, reads_extent: bool = True) -> float:
-        """The iteration without its copies."""
+        """The step without its copies."""
         return float(step_features(load, reads_extent) @ self.coefficients)
 
     def copy_time_s(self, num_copied_tokens: int) -> float:
@@ -93,8 +92,8 @@ class StepTimeModel:
 def step_features(load: StepLoad, reads_extent: bool = True) -> np.ndarray:
     """The row of the design matrix for `load`, in FEATURES order. `reads_extent`: attention
     reads each decode's KV extent (paged kernels) rather than its live tokens."""
-    k, n = load.num_decode_steps, load.num_decoding_requests
-    first_step = load.num_kv_slots_read if reads_extent else load.num_live_kv_tokens
-    return np.array([k, n * k, k * first_step + n * k * (k - 1) // 2, load.num_prefill_tokens,
-                     load.num_prefill_requests, load.num_prefill_kv_pairs], dtype=np.float64)
+    kv_read = load.num_kv_slots_read if reads_extent else load.num_live_kv_tokens
+    is_forward = 1 if load.num_decoding_requests or load.prefill_chunks else 0
+    return np.array([is_forward, load.num_decoding_requests, kv_read, load.num_prefill_tokens,
+                     load.num_prefill_requests, load.prefill_kv_pairs(reads_extent)], dtype=np.float64)
 

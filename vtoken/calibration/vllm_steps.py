@@ -27,7 +27,7 @@ import numpy as np
 
 from vtoken.calibration.fit import MeasuredStep, step_kind
 from vtoken.calibration.grid import CalibrationGrid, Scenario, scenarios, warmup_scenario
-from vtoken.engine.executor import StepLoad, prefill_kv_pairs
+from vtoken.engine.executor import ChunkLoad, StepLoad, copy_load
 from vtoken.engine.vllm.engine import EngineSpec, model_runner_of, open_llm, scheduler_of
 from vtoken.engine.vllm.run import held_memory, prompt_ids
 from vtoken.engine.vllm.scheduler import VTokenScheduler
@@ -56,11 +56,11 @@ def load_of(num_scheduled: dict[str, int], num_computed: dict[str, int], num_pro
     if not num_scheduled:
         return None
     decodes = [r for r in num_scheduled if num_computed[r] >= num_prompt[r]]
-    chunks = [(num_computed[r], n) for r, n in num_scheduled.items() if num_computed[r] < num_prompt[r]]
+    # native vLLM holds no dead slots: a request's KV extent is its computed tokens
+    chunks = tuple(ChunkLoad(num_computed[r], num_computed[r], n) for r, n in num_scheduled.items()
+                   if num_computed[r] < num_prompt[r])
     num_read = sum(num_computed[r] for r in decodes)
-    return StepLoad(1, num_read, num_read, len(decodes), sum(n for _, n in chunks), 0,
-                    num_prefill_requests=len(chunks),
-                    num_prefill_kv_pairs=sum(prefill_kv_pairs(ctx, n) for ctx, n in chunks))
+    return StepLoad(num_read, num_read, len(decodes), chunks, 0)
 
 
 def engine_spec(model_dir: str, grid: CalibrationGrid, block_size: int = 32) -> EngineSpec:
@@ -138,5 +138,5 @@ def time_copies(llm, sizes: Sequence[int], seed: int) -> list[MeasuredStep]:
         src, dst = slots[: slots.numel() // 2], slots[slots.numel() // 2 :]
         started = time.perf_counter()
         runner.vtoken_copy_slots(src, dst)
-        steps.append(MeasuredStep("copy", StepLoad(1, 0, 0, 0, 0, int(src.numel())), time.perf_counter() - started))
+        steps.append(MeasuredStep("copy", copy_load(int(src.numel())), time.perf_counter() - started))
     return steps

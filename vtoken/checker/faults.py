@@ -327,10 +327,13 @@ class _SharedBlockReclaimer(Reclaimer):
         super().__init__(config, pool)
         self._fault = fault
 
-    def plan(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
+    def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
+               num_blocks_wanted: int | None) -> list[RelocationPlan]:
+        # every planning entry point (lazy rounds, packing under pressure, the layout re-pack) plans here
         tables = list(tables)
         by_id = {t.req_id: t for t in tables}
-        return [self._with_shared_block(plan, by_id[plan.req_id], tables) for plan in super().plan(tables, busy_req_ids)]
+        return [self._with_shared_block(plan, by_id[plan.req_id], tables)
+                for plan in super()._plans(tables, busy_req_ids, num_blocks_wanted)]
 
     def _with_shared_block(self, plan: RelocationPlan, table: TokenTable, tables: list[TokenTable]) -> RelocationPlan:
         if table.num_pinned_blocks:

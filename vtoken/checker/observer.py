@@ -104,7 +104,7 @@ class CheckingObserver:
         self._num_forwards += 1
         if self._num_forwards % I2_EVERY_NUM_FORWARDS == 0:
             self._check_mapping()
-        for state in batch.prefill + batch.decode:
+        for state in batch.states:
             self._check("I3", lambda t=state.table: self._check_reads(t, in_flight_plans))
 
     def on_plan(self, plan: RelocationPlan, table: TokenTable) -> None:

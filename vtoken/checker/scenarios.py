@@ -171,7 +171,7 @@ def fuzz_scenario(index: int, base: Experiment, options: CheckOptions) -> Scenar
                             max_src_blocks=int(rng.integers(2, 33)))
     concurrency = None if rng.random() < 0.3 else int(rng.integers(1, 9))
     seed = int(rng.integers(0, 2**31))
-    scheduler = replace(base.scheduler, max_fused_steps=int(rng.integers(1, 17)))
+    scheduler = replace(base.scheduler, max_num_batched_tokens=int(rng.choice([64, 256, 2048])))
     eviction = EvictionConfig(str(rng.choice(options.policies)), keep, int(rng.choice([1, 4, 8, 16, 32])))
     # From starved (long requests dropped, preemption) to roomy; the floor admits most requests.
     peaks = sorted(-(-(r.num_prompt_tokens + r.num_output_tokens) // block_size) for r in requests)

@@ -3,7 +3,10 @@
 The runtime (sim, hf) and the vLLM scheduler (engine/vllm/tracker.py) both ask this module,
 so the same request gets the same decisions on every executor and in every variant:
 
-    after prefill          num_generated = 1: the policy runs on the prompt (+ first token)
+    after prefill          num_generated = 1: the policy runs on the prompt (+ first token),
+                           after the prompt's last chunk
+    after each chunk       as an option (`SchedulerConfig.evict_every_chunk`), for policies that need
+                           no attention scores: on the prompt computed so far (`decide_mid_prompt`)
     every interval tokens  num_generated = k * interval_tokens
     after a preemption     the request is recomputed from all its tokens; the tokens it had
                            lost are evicted again right after the recompute, and the policy is
@@ -11,8 +14,9 @@ so the same request gets the same decisions on every executor and in every varia
                            preempts decide differently from one that does not)
 
 A request's table holds its KV: `num_tokens` = prompt + generated - 1 (the last sampled token
-has no KV yet). When an iteration fused several decode steps past the eviction point, the
-view is of the request as it was at that point: ids at or past its length then are hidden.
+has no KV yet). When a request reaches the eviction point past it (it resumed after a
+preemption past it), the view is of the request as it was at that point: ids at or past its
+length then are hidden.
 
 The view hides the pinned shared prefix: its tokens are neither offered to the policy nor
 counted in what it must keep (`num_keep_tokens` is the budget minus the pinned tokens).
@@ -47,8 +51,8 @@ class EvictionEvent:
     """Tokens a request loses when its KV holds `num_tokens` tokens (in the policy's order).
 
     `num_tokens` is the KV length when the tokens are evicted: the queries from that position on
-    no longer read them. The policy may have decided on a shorter prefix (fused steps past the
-    eviction point, or a request that resumed past it).
+    no longer read them. The policy may have decided on a shorter prefix (a request that resumed
+    past the eviction point).
 
     `is_resume`: the request was preempted and recomputed, and the tokens it had lost were
     evicted again at this length (not a new policy decision).
@@ -84,6 +88,14 @@ class EvictionSchedule:
         if victims.size == 0:
             return None
         return EvictionEvent(table.num_tokens, victims)
+
+    def decide_mid_prompt(self, req_idx: int, table: TokenTable) -> EvictionEvent | None:
+        """The tokens to evict after a prompt chunk, at the length computed so far; the clock does
+        not move (the policy still runs after the last chunk). Only for policies that need no
+        scores: the attention-ranked ones rank by what the whole prompt's queries paid."""
+        assert not self.policy.needs_attention, "a mid-prompt decision without scores"
+        victims = self.policy.select_victims(build_view(req_idx, table, self.config, table.num_tokens, None))
+        return EvictionEvent(table.num_tokens, victims) if victims.size else None
 
     def on_preempt(self, clock: EvictionClock, table: TokenTable) -> None:
         """The request loses its KV and will be recomputed: remember what it had lost."""

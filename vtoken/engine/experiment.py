@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from vtoken import defaults
 from vtoken.errors import ConfigError
+from vtoken.engine.batch_limits import vllm_batch_defaults
 from vtoken.engine.sim import SimProfile
 from vtoken.hardware import GpuSpec
 from vtoken.kv.reclaim import ReclaimConfig
@@ -40,14 +41,30 @@ class EvictionConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The scheduler's limits, as vLLM's `SchedulerConfig` names them where it has them."""
+    """vLLM V1's scheduler limits, named as vllm/config/scheduler.py names them (engine/scheduler.py
+    schedules with them). None: what `vllm serve` takes on the experiment's GPU
+    (engine/batch_limits.py), filled in by `Experiment.with_scheduler_defaults`."""
 
-    max_num_seqs: int = 256  # most requests resident at once (vLLM's max_num_seqs)
-    max_fused_steps: int = 16  # the sim advances up to this many decode steps per iteration
+    max_num_batched_tokens: int | None = None  # token budget of one step: decodes first, then prompt chunks
+    max_num_seqs: int | None = None  # most running requests
+    enable_chunked_prefill: bool = defaults.ENABLE_CHUNKED_PREFILL  # a prompt may be split across steps
+    long_prefill_token_threshold: int = defaults.LONG_PREFILL_TOKEN_THRESHOLD  # cap of one chunk (0: none)
+    evict_every_chunk: bool = False  # the policy also runs after each prompt chunk (policies without scores)
 
     def __post_init__(self) -> None:
-        if self.max_fused_steps <= 0 or self.max_num_seqs <= 0:
-            raise ConfigError("max_fused_steps and max_num_seqs must be > 0")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+    def with_defaults(self, gpu: GpuSpec) -> SchedulerConfig:
+        """These limits, each one left None set to what `vllm serve` takes on `gpu`."""
+        if self.max_num_batched_tokens is not None and self.max_num_seqs is not None:
+            return self
+        limits = vllm_batch_defaults(gpu)
+        return replace(self, max_num_batched_tokens=self.max_num_batched_tokens or limits.max_num_batched_tokens,
+                       max_num_seqs=self.max_num_seqs or limits.max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,15 @@ class Experiment:
             raise ConfigError(f"block size must be > 0 tokens, got {self.block_size}")
         if self.num_blocks <= 0:
             raise ConfigError(f"the KV budget must be > 0 blocks, got {self.num_blocks}")
+        if self.scheduler.evict_every_chunk and POLICIES[self.eviction.policy].needs_attention:
+            raise ConfigError(f"--evict-every-chunk: {self.eviction.policy} ranks tokens by the attention the whole "
+                              f"prompt's queries paid; it runs after a prompt's last chunk only (policies that can: "
+                              f"{', '.join(n for n, p in POLICIES.items() if not p.needs_attention)})")
+
+    def with_scheduler_defaults(self) -> Experiment:
+        """The experiment with every scheduler limit left None set to vLLM's default on `gpu`."""
+        scheduler = self.scheduler.with_defaults(self.gpu)
+        return self if scheduler is self.scheduler else replace(self, scheduler=scheduler)
 
     def run(self, variant: str, concurrency: int | None, *, admit_all_at_start: bool = False) -> Run:
         """One run of this experiment: `variant` with `concurrency` closed-loop clients (None:

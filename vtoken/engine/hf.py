@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from vtoken.engine.experiment import Run
+from vtoken.engine.experiment import Experiment, Run
 from vtoken.engine.hf_forward import PagedDecoder
 from vtoken.engine.observer import RuntimeObserver
 from vtoken.engine.runtime import PlannerFactory, Runtime
@@ -173,7 +173,7 @@ class HFExecutor:
     """Runs the model for each runtime iteration; owns the paged KV tensor the copy engine moves."""
 
     name = "hf"
-    max_fused_steps = 1  # one real forward per generated token
+    runs_prompt_chunks = False  # a prompt is computed whole: hf runs with chunked prefill off
 
     def __init__(self, model: LoadedModel, prepared: PreparedRequests, num_blocks: int, block_size: int, *,
                  collect_scores: bool, importance_window: int = 64) -> None:
@@ -194,8 +194,8 @@ class HFExecutor:
     def execute(self, batch: Batch, load: StepLoad) -> float:
         """Prefill the admitted requests, then one batched decode step; the measured seconds."""
         started = time.perf_counter()
-        for state in batch.prefill:
-            self._prefill(state)
+        for chunk in batch.prefill:
+            self._prefill(chunk.state)
         if batch.decode:
             self._decode(batch.decode)
         if self.device.type == "cuda":
@@ -299,8 +299,8 @@ def build_hf_runtime(run: Run, requests: Sequence[Request], model: LoadedModel, 
     `collect_scores` defaults to whether the variant evicts with a policy that needs attention.
     `observer`, `planner_factory` and `table_factory` go to the runtime (the checker's parts).
     """
-    experiment = replace(run.experiment, model=model.spec)
-    prepared = prepare_requests(requests, model.tokenizer, experiment.seed)
+    prepared = prepare_requests(requests, model.tokenizer, run.experiment.seed)
+    experiment = whole_prompts(replace(run.experiment, model=model.spec), prepared.requests)
     if collect_scores is None:
         collect_scores = run.spec.evicts and make_policy(experiment.eviction.policy).needs_attention
     executor = HFExecutor(model, prepared, experiment.num_blocks, experiment.block_size, collect_scores=collect_scores,
@@ -308,6 +308,17 @@ def build_hf_runtime(run: Run, requests: Sequence[Request], model: LoadedModel, 
     copy_engine = make_copy_engine(executor.kv_cache) if make_copy_engine else CopyEngine(executor.kv_cache, "sync")
     return Runtime(Run(experiment, run.spec), prepared.requests, executor, copy_engine=copy_engine, observer=observer,
                    planner_factory=planner_factory, table_factory=table_factory)
+
+
+def whole_prompts(experiment: Experiment, requests: Sequence[Request]) -> Experiment:
+    """The executor computes whole prompts: chunked prefill off, and a token budget that holds
+    the longest request, as vLLM sets it then (`max(max_model_len, default)`, vllm/engine/
+    arg_utils.py `_set_default_max_num_seqs_and_batched_tokens_args`)."""
+    experiment = experiment.with_scheduler_defaults()
+    longest = max((r.num_prompt_tokens + r.num_output_tokens for r in requests), default=1)
+    scheduler = replace(experiment.scheduler, enable_chunked_prefill=False,
+                        max_num_batched_tokens=max(experiment.scheduler.max_num_batched_tokens, longest))
+    return replace(experiment, scheduler=scheduler)
 
 
 @dataclass(frozen=True)

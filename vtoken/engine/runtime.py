@@ -18,40 +18,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from vtoken.engine.experiment import Run
-from vtoken.engine.eviction import EvictionSchedule
-from vtoken.engine.executor import Executor, StepCostModel, StepLoad, kv_extent, prefill_kv_pairs
+from vtoken.engine.eviction import EvictionEvent, EvictionSchedule
+from vtoken.engine.executor import ChunkLoad, CopyCostModel, Executor, StepLoad
 from vtoken.engine.observer import NullObserver, RuntimeObserver
-from vtoken.engine.scheduler import Batch, ReqState, Scheduler, TableFactory
+from vtoken.engine.scheduler import Batch, ReqState, Scheduler, SchedulerLimits, TableFactory
+from vtoken.errors import ConfigError
 from vtoken.invariants import check_plan
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan, num_uncompacted_blocks
 from vtoken.kv.token_table import TokenTable
-from vtoken.metrics import MemorySample, Recorder, RunCounters, RunResult
+from vtoken.metrics import MemorySample, ReclaimWork, Recorder, RunCounters, RunResult
 from vtoken.policies import make_policy
 from vtoken.trace import Request
 
 PlannerFactory = Callable[[ReclaimConfig, BlockPool], Reclaimer]
-
-
-@dataclass(frozen=True)
-class ReclaimWork:
-    """What one reclamation trigger (lazy or pressure) planned over a run."""
-
-    num_rounds: int = 0  # times the trigger fired
-    num_plans: int = 0
-    num_tokens_moved: int = 0
-    num_blocks_freed: int = 0
-
-    def plus(self, plans: Sequence[RelocationPlan]) -> ReclaimWork:
-        return ReclaimWork(self.num_rounds + 1, self.num_plans + len(plans),
-                           self.num_tokens_moved + sum(p.num_tokens_moved for p in plans),
-                           self.num_blocks_freed + sum(p.num_blocks_freed for p in plans))
 
 
 class Runtime:
@@ -73,15 +58,18 @@ class Runtime:
         planner_factory: PlannerFactory = Reclaimer,
         table_factory: TableFactory = TokenTable,
     ) -> None:
-        if executor.max_fused_steps > 1 and not isinstance(executor, StepCostModel):
-            raise TypeError(f"executor {executor.name!r} fuses decode steps but cannot predict their duration")
-        experiment, spec = run.experiment, run.spec
+        experiment, spec = run.experiment.with_scheduler_defaults(), run.spec
+        scheduling = experiment.scheduler
+        if scheduling.enable_chunked_prefill and not executor.runs_prompt_chunks:
+            raise ConfigError(f"the {executor.name} executor computes whole prompts: run it with chunked prefill off")
         self.experiment = experiment
         self.spec = spec
         self.executor = executor
         self.num_output_tokens = sum(r.num_output_tokens for r in requests)  # the progress total
         self.pool = BlockPool(experiment.num_blocks, experiment.block_size)
-        self.scheduler = Scheduler(self.pool, list(requests), spec.concurrency, experiment.scheduler.max_num_seqs,
+        limits = SchedulerLimits(scheduling.max_num_batched_tokens, scheduling.max_num_seqs,
+                                 scheduling.enable_chunked_prefill, scheduling.long_prefill_token_threshold)
+        self.scheduler = Scheduler(self.pool, list(requests), spec.concurrency, limits, self,
                                    spec.admit_all_at_start, table_factory=table_factory)
         self.eviction = EvictionSchedule(experiment.eviction,
                                          make_policy(experiment.eviction.policy, seed=experiment.seed))
@@ -97,7 +85,7 @@ class Runtime:
         self.num_generated_tokens = 0  # over every step, recomputation after a preemption included
         self._num_copied_tokens = 0
         self._busy_req_ids: frozenset[int] = frozenset()
-        self.reclaim_work = {"lazy": ReclaimWork(), "pressure": ReclaimWork()}  # by trigger
+        self.reclaim_work = {"lazy": ReclaimWork(), "pressure": ReclaimWork(), "layout": ReclaimWork()}  # by trigger
 
     # ---- the spine ---------------------------------------------------------------------------
 
@@ -140,64 +128,29 @@ class Runtime:
         sched.collect_arrivals(self.now_s)
         for state in list(sched.waiting)[before:]:
             self.recorder.record_arrival(state.arrival_s)
-        decode = list(sched.running)
-        num_steps = self._num_fusable_steps(decode) if decode else 1
-        admissible = self.pool.num_free_blocks
-        if self.reclaimer is not None and decode:
-            self._pack_under_pressure(decode, num_steps)
-            admissible = self.reclaimer.num_admissible_blocks()
-        prefill = sched.admit(admissible, self.now_s)
-        for state in prefill:
-            self.observer.on_synced(state.table, 0)
-        num_steps = self._make_room(decode, 1 if prefill else num_steps)
-        decode = [s for s in decode if s.table is not None]
-        prefill = [s for s in prefill if s.table is not None]
-        if not decode and not prefill:
-            return None
-        batch = Batch(tuple(prefill), tuple(decode), num_steps, *_kv_read_counts(decode))
-        for state in decode:
-            self._grow(state, num_steps)
-        return batch
+        num_reserved = 0
+        if self.reclaimer is not None and sched.running:
+            # the reclaimer's headroom (ordered destinations) is kept from admissions while
+            # something runs that it could pack; with nothing running, there is nothing to pack
+            self._pack_under_pressure()
+            num_reserved = self.reclaimer.config.num_headroom_blocks
+        batch = sched.schedule(num_reserved, self.now_s)
+        return batch if batch.decode or batch.prefill else None
 
-    def _num_fusable_steps(self, decode: list[ReqState]) -> int:
-        """Decode steps to advance at once: until the first finish, at most `max_fused_steps`
-        and one eviction interval, and not past the next open-loop arrival."""
-        limit = min(self.experiment.scheduler.max_fused_steps, self.executor.max_fused_steps,
-                    self.experiment.eviction.interval_tokens)
-        num_steps = min([limit] + [s.num_remaining for s in decode])
-        next_arrival_s = self.scheduler.next_arrival_s()
-        while num_steps > 1 and next_arrival_s is not None and self.now_s + self._decode_time_s(decode, num_steps) > next_arrival_s:
-            num_steps //= 2
-        return max(1, num_steps)
+    # ---- what the scheduler tells the runtime (SchedulerHooks) ---------------------------------
 
-    def _decode_time_s(self, decode: list[ReqState], num_steps: int) -> float:
-        num_slots, num_live = _kv_read_counts(decode)
-        load = StepLoad(num_steps, num_slots, num_live, len(decode), num_prefill_tokens=0, num_copied_tokens=0)
-        return self.executor.iteration_time_s(load)  # a StepCostModel: checked in __init__
+    def on_synced(self, table: TokenTable, num_tokens_before: int) -> None:
+        self.observer.on_synced(table, num_tokens_before)
 
-    def _make_room(self, decode: list[ReqState], num_steps: int) -> int:
-        """Shrink the fused steps, then preempt, until the batch's growth fits in the pool."""
-        sched = self.scheduler
-        while True:
-            growing = [s for s in decode if s.table is not None]
-            num_needed = sched.num_blocks_to_grow(growing, num_steps)
-            if num_needed <= self.pool.num_free_blocks:
-                return num_steps
-            if num_steps > 1:
-                num_steps = 1
-                continue
-            if len(sched.running) == 1:
-                state = sched.running[0]
-                self._leave(state)
-                sched.drop(state, f"does not fit in {self.pool.num_blocks} blocks even alone", self.now_s)
-                self.executor.forget(state.req_idx)
-                return num_steps
-            victim = sched.running[-1]
-            self._leave(victim)
-            if self.spec.evicts:
-                self.eviction.on_preempt(victim.eviction, victim.table)
-            sched.preempt_last()
-            self.counters = self.counters.plus(preemptions=1)
+    def on_preempt(self, state: ReqState) -> None:
+        self._leave(state)
+        if self.spec.evicts:
+            self.eviction.on_preempt(state.eviction, state.table)
+        self.counters = self.counters.plus(preemptions=1)
+
+    def on_drop(self, state: ReqState) -> None:
+        self._leave(state)
+        self.executor.forget(state.req_idx)
 
     # ---- execute -----------------------------------------------------------------------------
 
@@ -208,14 +161,12 @@ class Runtime:
             self._complete(plan)
         self.observer.on_forward(batch, self.copy_engine.in_flight_plans)
         load = StepLoad(
-            num_decode_steps=batch.num_decode_steps,
             num_kv_slots_read=batch.num_kv_slots_read,
             num_live_kv_tokens=batch.num_live_kv_tokens,
             num_decoding_requests=len(batch.decode),
-            num_prefill_tokens=sum(s.table.num_tokens for s in batch.prefill),
+            prefill_chunks=tuple(ChunkLoad(c.num_context_slots, c.num_context_live_tokens, c.num_new_tokens)
+                                 for c in batch.prefill),
             num_copied_tokens=self._num_copied_tokens,
-            num_prefill_requests=len(batch.prefill),
-            num_prefill_kv_pairs=sum(prefill_kv_pairs(0, s.table.num_tokens) for s in batch.prefill),
         )
         self._num_copied_tokens = 0
         return self.executor.execute(batch, load)
@@ -223,17 +174,21 @@ class Runtime:
     # ---- postprocess -------------------------------------------------------------------------
 
     def postprocess(self, batch: Batch, duration_s: float) -> None:
+        """After the forward: every request whose tokens are all computed samples one; a prompt
+        chunk that is not the last samples nothing (the policy may run after it, as an option)."""
         self.now_s += duration_s
         self.num_iterations += 1
-        self.num_decode_steps += batch.num_decode_steps
-        self.num_generated_tokens += len(batch.decode) * batch.num_decode_steps + len(batch.prefill)
-        for state in batch.decode:
-            state.num_generated += batch.num_decode_steps
-        for state in batch.prefill:
+        self.num_decode_steps += 1 if batch.decode else 0
+        sampled = list(batch.decode) + [c.state for c in batch.prefill if c.is_last]
+        self.num_generated_tokens += len(sampled)
+        for state in sampled:
             state.num_generated += 1
             if state.first_token_s is None:
                 state.first_token_s = self.now_s
-        for state in batch.prefill + batch.decode:
+        for chunk in batch.prefill:
+            if not chunk.is_last and self.experiment.scheduler.evict_every_chunk and self.spec.evicts:
+                self._evict_mid_prompt(chunk.state)
+        for state in sampled:
             if state.num_remaining == 0:
                 self._finish(state)
             elif self.spec.evicts and self.eviction.is_due(state.eviction, state.num_generated):
@@ -241,14 +196,6 @@ class Runtime:
         if self.reclaimer is not None and self.reclaimer.is_eligible(self.num_iterations):
             self._reclaim()
         self.recorder.sample(self.now_s, len(self.scheduler.running), MemorySample.of_pool(self.pool))
-
-    def _grow(self, state: ReqState, num_steps: int) -> None:
-        """Place the KV of the next `num_steps` tokens (written by the coming forward)."""
-        table = state.table
-        num_tokens_before = table.num_tokens
-        block_ids = self.pool.allocate(table.num_new_blocks_needed(num_steps))
-        table.sync_new_tokens(block_ids, table.num_tokens + num_steps)
-        self.observer.on_synced(table, num_tokens_before)
 
     def _finish(self, state: ReqState) -> None:
         self.recorder.record_finish(state.request, state.arrival_s, state.first_token_s, self.now_s,
@@ -267,8 +214,21 @@ class Runtime:
             scores = lambda token_ids, num_tokens: self.executor.attention_stats(  # noqa: E731
                 state.req_idx, token_ids, num_tokens, policy.score_fields)
         event = self.eviction.decide(state.eviction, state.req_idx, state.table, state.num_generated, scores)
-        if event is None:
+        if event is not None:
+            self._apply_eviction(state, event)
+
+    def _evict_mid_prompt(self, state: ReqState) -> None:
+        """`evict_every_chunk`: the policy on the prompt computed so far (a fresh prompt only: a
+        recomputed one evicts what it had lost after its last chunk)."""
+        if state.num_generated or state.eviction.resume_token_ids is not None:
             return
+        if state.request.num_prefix_tokens >= self.experiment.block_size and not state.table.num_pinned_tokens:
+            return  # its shared prefix is not pinned yet: the policy must not see it
+        event = self.eviction.decide_mid_prompt(state.req_idx, state.table)
+        if event is not None:
+            self._apply_eviction(state, event)
+
+    def _apply_eviction(self, state: ReqState, event: EvictionEvent) -> None:
         table = state.table
         emptied = table.evict_tokens(event.token_ids)
         self.counters = self.counters.plus(tokens_evicted=int(event.token_ids.size), eviction_events=1)
@@ -276,28 +236,45 @@ class Runtime:
             return  # blocks of a request with a copy in flight are released when it lands
         table.release_blocks(emptied)
         self.pool.free(emptied)
+        if self.reclaimer is not None:
+            self._repack_if_worse_than_uncompacted(table)
 
     # ---- reclamation -------------------------------------------------------------------------
 
-    def _pack_under_pressure(self, decode: list[ReqState], num_steps: int) -> None:
-        """Memory decides now: when the decodes' next `num_steps` of growth and the admission
-        waiting for blocks do not fit with the reserve to spare, free the shortfall, and no more."""
-        num_needed = self.scheduler.num_blocks_to_grow(decode, num_steps) + self.scheduler.num_blocks_to_admit_next()
+    def _pack_under_pressure(self) -> None:
+        """Memory decides now: when the running requests' next step and the admission waiting
+        for blocks do not fit with the reserve to spare, free the shortfall, and no more."""
+        num_needed = self.scheduler.num_blocks_to_grow() + self.scheduler.num_blocks_to_admit_next()
         num_short = self.reclaimer.num_blocks_short(num_needed)
         if num_short > 0:
             self._reclaim(num_short)
 
-    def _reclaim(self, num_blocks_short: int | None = None) -> None:
-        """Plan and launch: lazily over everything (None), or under pressure until
-        `num_blocks_short` blocks are freed."""
-        tables = [s.table for s in self.scheduler.running]
+    def _repack_if_worse_than_uncompacted(self, table: TokenTable) -> None:
+        """An eviction can leave a request holding more blocks than its tokens would without any
+        compaction: lazy hole-fill moved young tokens into the holes of old blocks, and FIFO
+        eviction (StreamingLLM) then killed the old tokens around them, so those blocks stay held
+        where naive-evict frees them whole. Pack that request now, until it holds no more."""
+        num_excess = table.num_blocks - num_uncompacted_blocks(table)
+        if num_excess > 0 and table.req_id not in self._busy_req_ids:
+            self._reclaim(num_excess, [table], "layout")
+
+    def _reclaim(self, num_blocks_short: int | None = None, tables: list[TokenTable] | None = None,
+                 trigger: str | None = None) -> None:
+        """Plan and launch: lazily over every running request (None), or until `num_blocks_short`
+        blocks are freed (under pressure; or over the one table given, for the `layout` trigger)."""
+        tables = tables if tables is not None else [s.table for s in self.scheduler.running]
         busy = frozenset(p.req_id for p in self.copy_engine.in_flight_plans)
         by_id = {t.req_id: t for t in tables}
-        if num_blocks_short is None:
+        if trigger == "layout":
+            plans = self.reclaimer.plan_repack(tables[0], num_blocks_short)
+        elif num_blocks_short is None:
             plans, trigger = self.reclaimer.plan(tables, busy), "lazy"
         else:
             plans, trigger = self.reclaimer.plan_to_free(tables, busy, num_blocks_short), "pressure"
-        self.reclaim_work[trigger] = self.reclaim_work[trigger].plus(plans)
+        num_moved = sum(p.num_tokens_moved for p in plans)
+        copy_s = self.executor.raw_copy_time_s(num_moved) if isinstance(self.executor, CopyCostModel) else None
+        self.reclaim_work[trigger] = self.reclaim_work[trigger].plus(
+            len(plans), num_moved, sum(p.num_blocks_freed for p in plans), copy_s)
         for plan in plans:
             table = by_id[plan.req_id]
             check_plan(plan, table, self.pool, busy)
@@ -344,16 +321,5 @@ class Runtime:
             self.recorder, self.counters, variant=spec.variant,
             policy=self.experiment.eviction.policy if spec.evicts else "none", num_requests=len(self.scheduler.requests),
             skipped=tuple(self.scheduler.skipped), num_iterations=self.num_iterations,
-            num_decode_steps=self.num_decode_steps, host_time_s=host_time_s,
+            num_decode_steps=self.num_decode_steps, host_time_s=host_time_s, reclaim_work=self.reclaim_work,
         )
-
-
-def _kv_read_counts(decode: Sequence[ReqState]) -> tuple[int, int]:
-    """(KV slots attention reads, live KV tokens) of the decodes, before this iteration's growth.
-
-    The first is what paged attention reads: each request's KV extent, its dead tokens in held
-    blocks included (`executor.kv_extent`); native's equals its token count, naive-evict's its
-    held blocks', and only compaction makes vtoken's smaller.
-    """
-    tables = [s.table for s in decode]
-    return sum(kv_extent(t) for t in tables), sum(t.num_live_tokens for t in tables)

@@ -1,13 +1,26 @@
 """The `sim` executor: a deterministic cost model for step time and a synthetic attention model.
 
-No model runs. A step's time comes from a step model fitted to a real engine by `vtoken
-calibrate` when the profile carries one (`SimProfile.step_model`, vtoken/calibration/model.py),
-else from a roofline: what a memory-bound decoder spends on a GPU from the catalog:
+No model runs. A step is one forward over the decodes and prompt chunks the scheduler gave it
+(vLLM V1 runs them together: engine/scheduler.py). Its time comes from a step model fitted to a
+real engine by `vtoken calibrate` when the profile carries one (`SimProfile.step_model`,
+vtoken/calibration/model.py), else from a roofline on a GPU from the catalog:
 
     t_step = overhead_s
            + (weight_bytes + kv_bytes_read) / (hbm_bytes_per_s * hbm_efficiency)
-           + prefill_flops / (bf16_flop_per_s * mfu)
+           + (linear_flops + attention_flops) / (bf16_flop_per_s * mfu)
            + max(0, copy_s - copy_overlap_s)        # copy_s = relocation bytes / HBM rate
+
+    kv_bytes_read   = kv_bytes_per_token x (sum over decodes of (extent + 1)
+                                            + sum over chunks of (context extent + chunk tokens))
+    linear_flops    = 2 x num_params x prompt-chunk tokens (a decode's are in the weight read)
+    attention_flops = 4 x layers x heads x head_dim x sum over chunks of
+                      c x (context extent) + c x (c + 1) / 2         (QK^T and PV, causal)
+
+A prompt chunk's attention reads its request's KV extent so far and then its own keys: vLLM
+passes `seq_lens = num_computed_tokens + num_scheduled_tokens` (vllm/v1/worker/
+gpu_model_runner.py, `_prepare_inputs`) and FlashAttention's varlen kernel reads each
+request's keys through its block table up to `seqused_k` (vllm/v1/attention/backends/
+flash_attn.py), decodes and chunks in the same call.
 
 What attention reads (`SimProfile.attention_reads`):
 
@@ -23,7 +36,8 @@ What attention reads (`SimProfile.attention_reads`):
                                                `num_tiles = cdiv_fn(max_seq_prefix_len, TILE_SIZE)`,
                                                `max_seq_prefix_len = tl.minimum(max_seq_prefix_len, seq_len)`
   So a dead token that stays in a held block costs full bandwidth: naive-evict reads about
-  what native does, and only compaction makes attention cheaper.
+  what native does, and only compaction makes attention cheaper. The same holds for a prompt
+  chunk's context (and for its attention FLOPs: the kernel computes every key up to seq_len).
 - `live-tokens`: only live tokens (`StepLoad.num_live_kv_tokens`), as a token-gather kernel
   that reads a per-token slot list would; no vLLM backend is one.
 
@@ -54,7 +68,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vtoken.calibration.model import Provenance, StepTimeModel
-from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores
+from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores, prefill_kv_pairs
 from vtoken.errors import ConfigError
 from vtoken.hardware import GpuSpec
 from vtoken.model_spec import ModelSpec
@@ -113,15 +127,41 @@ class SimProfile:
         return f"calibrated against {where}"
 
 
-def load_sim_profile(path: str | Path) -> SimProfile:
-    """Read a TOML profile whose keys are `SimProfile` fields (top level or under [sim])."""
+# The [scheduler] table of a sim profile: vLLM V1's scheduler limits (`SchedulerConfig` fields), with
+# the type each must have. A command's flags override them; vLLM's defaults fill the rest.
+SCHEDULER_KEYS = {"max_num_batched_tokens": int, "max_num_seqs": int, "enable_chunked_prefill": bool,
+                  "long_prefill_token_threshold": int}
+
+
+def _read_profile(path: str | Path) -> dict:
     try:
-        data = tomllib.loads(Path(path).read_text())
+        return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: sim profile not found") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    data = dict(data.get("sim", data))
+
+
+def load_scheduler_overrides(path: str | Path) -> dict[str, int | bool]:
+    """The profile's [scheduler] table: the scheduler limits it sets ({} without one)."""
+    table = _read_profile(path).get("scheduler", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [scheduler] must be a table of {', '.join(SCHEDULER_KEYS)}")
+    for key, value in table.items():
+        kind = SCHEDULER_KEYS.get(key)
+        if kind is None:
+            raise ConfigError(f"{path}: unknown [scheduler] key '{key}'; known keys: {', '.join(SCHEDULER_KEYS)}")
+        if type(value) is not kind or (kind is int and value < (0 if key == "long_prefill_token_threshold" else 1)):
+            raise ConfigError(f"{path}: [scheduler] {key} must be {'true or false' if kind is bool else 'a positive integer'}, "
+                              f"got {value!r}")
+    return dict(table)
+
+
+def load_sim_profile(path: str | Path) -> SimProfile:
+    """Read a TOML profile whose keys are `SimProfile` fields (top level or under [sim]); its
+    [scheduler] table is `load_scheduler_overrides`'."""
+    data = _read_profile(path)
+    data = {k: v for k, v in data.get("sim", data).items() if k != "scheduler"}
     _require_known_keys(data, SimProfile, path, "sim profile")
     try:
         if "step_model" in data:
@@ -163,7 +203,7 @@ class SimExecutor:
     """Deterministic step times and attention scores; no model, no tensors."""
 
     name = "sim"
-    max_fused_steps = 1 << 30  # a cost model can advance any number of steps at once
+    runs_prompt_chunks = True
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, profile: SimProfile, seed: int) -> None:
         self.model = model
@@ -173,6 +213,9 @@ class SimExecutor:
         self._kv_rate = gpu.hbm_bytes_per_s * profile.hbm_efficiency
         self._weight_s = model.weight_bytes / self._kv_rate
         self._reads_extent = profile.attention_reads == "kv-extent"
+        self._compute_rate = gpu.bf16_flop_per_s * profile.mfu
+        # QK^T and PV: 2 x head_dim FLOPs each per (query, key) pair, per head and layer
+        self._attention_flops_per_pair = 4 * model.num_layers * model.num_attention_heads * model.head_dim
         self._importance: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # request -> (w_j, max_age_j)
         self._recency_tables = (np.zeros(0), np.zeros(0))
 
@@ -183,26 +226,35 @@ class SimExecutor:
         return self.iteration_time_s(load)
 
     def iteration_time_s(self, load: StepLoad) -> float:
+        """The modelled duration of one step with this load: the fitted step model's, else the
+        module docstring's roofline."""
         step_model = self.profile.step_model
         if step_model is not None:
-            copy_s = step_model.copy_time_s(load.num_copied_tokens)
-            return step_model.forward_time_s(load, self._reads_extent) + self._hidden(copy_s)
-        k, n = load.num_decode_steps, load.num_decoding_requests
-        first_step = load.num_kv_slots_read if self._reads_extent else load.num_live_kv_tokens
-        # each decode's extent and its live tokens grow by one per fused step (eviction and
-        # reclamation run between iterations): sum over k steps of (first_step + i*n)
-        kv_tokens_read = k * first_step + n * k * (k - 1) // 2
-        memory_s = k * self._weight_s + kv_tokens_read * self.model.kv_bytes_per_token / self._kv_rate
-        prefill_s = 2.0 * self.model.num_params * load.num_prefill_tokens / (self.gpu.bf16_flop_per_s * self.profile.mfu)
-        return k * self.profile.overhead_s + memory_s + prefill_s + self.copy_time_s(load.num_copied_tokens)
+            return step_model.forward_time_s(load, self._reads_extent) + self.copy_time_s(load.num_copied_tokens)
+        n = load.num_decoding_requests
+        kv_tokens_read = (load.num_kv_slots_read if self._reads_extent else load.num_live_kv_tokens) + n
+        num_prefill_tokens = num_pairs = 0
+        for chunk in load.prefill_chunks:
+            context = chunk.num_context_slots if self._reads_extent else chunk.num_context_live_tokens
+            c = chunk.num_new_tokens
+            kv_tokens_read += context + c
+            num_prefill_tokens += c
+            num_pairs += prefill_kv_pairs(context, c)
+        memory_s = self._weight_s + kv_tokens_read * self.model.kv_bytes_per_token / self._kv_rate
+        compute_s = (2.0 * self.model.num_params * num_prefill_tokens + self._attention_flops_per_pair * num_pairs) / self._compute_rate
+        return self.profile.overhead_s + memory_s + compute_s + self.copy_time_s(load.num_copied_tokens)
+
+    def raw_copy_time_s(self, num_copied_tokens: int) -> float:
+        """Time of relocating tokens, overlapped or not: the fitted price per copied token, else
+        a read and a write of their K/V at the HBM rate."""
+        step_model = self.profile.step_model
+        if step_model is not None:
+            return step_model.copy_time_s(num_copied_tokens)
+        return 2 * num_copied_tokens * self.model.kv_bytes_per_token / self._kv_rate
 
     def copy_time_s(self, num_copied_tokens: int) -> float:
-        """Critical-path time of relocating tokens: read + write of their K/V."""
-        copy_s = 2 * num_copied_tokens * self.model.kv_bytes_per_token / self._kv_rate
-        return self._hidden(copy_s)
-
-    def _hidden(self, copy_s: float) -> float:
-        """What of a copy stays on the critical path past the post-forward window."""
+        """Critical-path time of relocating tokens: what the post-forward window does not hide."""
+        copy_s = self.raw_copy_time_s(num_copied_tokens)
         return copy_s if self.profile.sync_copy else max(0.0, copy_s - self.profile.copy_overlap_s)
 
     # ---- synthetic attention ---------------------------------------------------------------

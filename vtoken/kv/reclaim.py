@@ -148,6 +148,11 @@ class Reclaimer:
         blocks than the shortfall left, so the copy work is bounded by what the pressure needs."""
         return self._plans(tables, busy_req_ids, num_blocks)
 
+    def plan_repack(self, table: TokenTable, num_blocks: int) -> list[RelocationPlan]:
+        """Stage 3 for one request that holds `num_blocks` more blocks than its uncompacted
+        layout would (the runtime's layout trigger): plans over it alone, until they are freed."""
+        return self._plans([table], frozenset(), num_blocks)
+
     def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
                num_blocks_wanted: int | None) -> list[RelocationPlan]:
         plans: list[RelocationPlan] = []
@@ -230,6 +235,20 @@ class _Movable:
 def num_reclaimable_blocks(table: TokenTable) -> int:
     """Blocks a perfect packing of the request's relocatable live tokens would give back."""
     return _Movable.of(table).num_reclaimable
+
+
+def num_uncompacted_blocks(table: TokenTable) -> int:
+    """Blocks the request would hold had nothing ever been moved (naive-evict's layout): every
+    logical block of S token ids with a live token, and the one being written.
+
+        token ids:  [0..S) [S..2S) [2S..3S) [3S..4S)      live ids 1, 2S+3, 3S+1 (writing)
+        held:        yes    no      yes      yes           -> 3 blocks
+    """
+    logical = np.unique(table.live_token_ids() // table.block_size)
+    num_blocks = logical.size
+    if table.num_tokens and (not logical.size or logical[-1] != (table.num_tokens - 1) // table.block_size):
+        num_blocks += 1
+    return num_blocks
 
 
 def movable_block_ids(table: TokenTable) -> np.ndarray:

@@ -23,10 +23,11 @@ from vtoken.runners import make_runner
 from vtoken.trace import load_trace, within_context
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Executor, Force, Gpu, GpuMemUtil, JsonOut,
-    MaxRequests, Model, NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Rounds, Seed, ThetaF, TimeUnit,
-    Tokenizer, TraceFormat, Variants, Warmup, Workers, build_cache, build_experiment, build_tokenizer,
-    check_concurrency, parse_int_list, parse_variants,
+    BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Executor, Force,
+    Gpu, GpuMemUtil, JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model,
+    NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Rounds, Seed, ThetaF, TimeUnit, Tokenizer,
+    TraceFormat, Variants, Warmup, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency,
+    parse_int_list, parse_variants, scheduler_flags,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -61,7 +62,12 @@ def compare_command(
     time_unit: TimeUnit = None,
     max_requests: MaxRequests = None,
     tokenizer: Tokenizer = None,
-    sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters.")] = None,
+    sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters (and, in a [scheduler] table, the scheduler limits).")] = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    max_num_seqs: MaxNumSeqs = None,
+    chunked_prefill: ChunkedPrefill = None,
+    long_prefill_token_threshold: LongPrefillTokenThreshold = None,
+    evict_every_chunk: EvictEveryChunk = False,
     sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="Run the concurrency sweep and SLA selection.")] = True,
     frontier: Annotated[bool, typer.Option("--frontier/--no-frontier", help="Run the capacity frontier.")] = True,
     json_out: JsonOut = False,
@@ -114,6 +120,10 @@ def compare_command(
         model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=gpu_mem_util, block_size=block_size,
         policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
         theta_f=theta_f, seed=seed, sim_profile=sim_profile, reclaim_budget=reclaim_budget,
+        scheduler=scheduler_flags(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                  chunked_prefill=chunked_prefill,
+                                  long_prefill_token_threshold=long_prefill_token_threshold,
+                                  evict_every_chunk=evict_every_chunk),
     )
     options = CompareOptions(parse_int_list(concurrencies, "--concurrencies"), sla_metric, sla_factor,
                              sla_ref_concurrency, repeats, sweep, frontier, parse_variants(variants),

@@ -22,9 +22,10 @@ from vtoken.sweep import PARAMETERS, SweepOptions, SweepReport, Vary, num_progre
 from vtoken.trace import load_trace
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    BlockSize, Budget, CacheDir, Concurrency, EvictionInterval, Force, Gpu, GpuMemUtil, JsonOut, MaxRequests, Model,
-    NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit, TraceFormat, Variants,
-    Tokenizer, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency, parse_variants,
+    BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Force, Gpu,
+    GpuMemUtil, JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NoCache,
+    NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit, Tokenizer, TraceFormat, Variants,
+    Workers, build_cache, build_experiment, build_tokenizer, check_concurrency, parse_variants, scheduler_flags,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.sweep import sweep_table
@@ -60,7 +61,12 @@ def sweep_command(
     time_unit: TimeUnit = None,
     max_requests: MaxRequests = None,
     tokenizer: Tokenizer = None,
-    sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters.")] = None,
+    sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters (and, in a [scheduler] table, the scheduler limits).")] = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    max_num_seqs: MaxNumSeqs = None,
+    chunked_prefill: ChunkedPrefill = None,
+    long_prefill_token_threshold: LongPrefillTokenThreshold = None,
+    evict_every_chunk: EvictEveryChunk = False,
     variants: Variants = ",".join(VARIANTS),
     workers: Workers = None,
     ray: RayAddress = None,
@@ -76,7 +82,11 @@ def sweep_command(
         check_output_dir(output, force)
     flags = dict(model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=gpu_mem_util, block_size=block_size,
                  policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
-                 theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile)
+                 theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile,
+                 scheduler=scheduler_flags(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                           chunked_prefill=chunked_prefill,
+                                           long_prefill_token_threshold=long_prefill_token_threshold,
+                                           evict_every_chunk=evict_every_chunk))
     options = SweepOptions(tuple(parse_vary(text, flags) for text in vary), grid, parse_variants(variants))
     base = base_run(flags, options.variants[-1])
     replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),

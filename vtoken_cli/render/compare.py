@@ -16,6 +16,7 @@ from rich.text import Text
 
 from vtoken.analysis import Frontier
 from vtoken.compare import CompareReport, step_times_json
+from vtoken.engine.batch_limits import vllm_batch_defaults
 from vtoken.hardware import GiB
 from vtoken.rounds import RoundsRecord, Spread, run_figures
 from vtoken_cli.render.common import WideOrNarrow, definitions_table, fields_panel, figure_table, histograms, titled
@@ -199,6 +200,20 @@ def reclaim_phrase(cfg) -> str:
     return f"{cfg.reclaim.mode}, theta_F {cfg.reclaim.theta_f:g}, {moved}"
 
 
+def scheduler_phrase(experiment) -> str:
+    """vLLM V1's limits of the run, and whether they are vLLM's defaults on the GPU."""
+    sched, vllm = experiment.scheduler, vllm_batch_defaults(experiment.gpu)
+    chunked = "chunked prefill on" if sched.enable_chunked_prefill else "chunked prefill off"
+    if sched.long_prefill_token_threshold:
+        chunked += f", chunks of at most {sched.long_prefill_token_threshold:,} tokens"
+    if sched.evict_every_chunk:
+        chunked += ", policy after every chunk"
+    is_default = (sched.max_num_batched_tokens, sched.max_num_seqs) == (vllm.max_num_batched_tokens, vllm.max_num_seqs)
+    origin = f"vllm serve's defaults on {experiment.gpu.name}" if is_default else "set by flags or the sim profile"
+    return (f"vLLM V1: {sched.max_num_batched_tokens:,} tokens a step, at most {sched.max_num_seqs:,} running, "
+            f"{chunked} ({origin})")
+
+
 def header_rows(report: CompareReport, model_line: str) -> list[tuple[str, str]]:
     """The run's configuration, one value per line: trace, model, GPU, KV budget, eviction,
     reclaim, arrivals, seed, executor, then the notes."""
@@ -214,6 +229,7 @@ def header_rows(report: CompareReport, model_line: str) -> list[tuple[str, str]]
         ("eviction", f"every {cfg.eviction.interval_tokens} tokens"),
         ("reclaim", reclaim_phrase(cfg)),
         ("arrivals", arrivals_phrase(report.options.concurrency)),
+        ("scheduler", scheduler_phrase(cfg)),
         ("seed", seed),
         ("executor", report.executor),
         ("step times", step_times_json(cfg.sim, report.executor)["description"]),
