@@ -151,14 +151,25 @@ def run_variants_on_vllm(experiment: Experiment, requests: Sequence[Request], co
 
 def engine_spec_for(experiment: Experiment, concurrency: int | None, model: str,
                     max_model_len: int = 2048) -> EngineSpec:
-    """The vLLM engine of a compare: the experiment's block size and block budget, room for
-    `concurrency` sequences, fp32, eager."""
+    """The vLLM engine of a compare: the experiment's block size and block budget, fp32, eager,
+    and the experiment's scheduler limits (vtoken's flags, else what `vllm serve` takes on the
+    experiment's GPU: engine/batch_limits.py), so that vLLM's scheduler and the sim's run the same
+    token budget, chunking and chunk cap. `max_num_seqs` is at most `concurrency` (closed loop:
+    no more requests exist at once)."""
     if experiment.block_size % 32:
         raise ConfigError(f"--executor vllm on CPU needs a block size that is a multiple of 32, got {experiment.block_size}")
+    limits = experiment.with_scheduler_defaults().scheduler
     max_model_len = min(max_model_len, (experiment.num_blocks - 1) * experiment.block_size)
+    if not limits.enable_chunked_prefill and limits.max_num_batched_tokens < max_model_len:
+        raise ConfigError(f"with chunked prefill off, --max-num-batched-tokens ({limits.max_num_batched_tokens}) must "
+                          f"hold the longest request vLLM admits (max_model_len {max_model_len})")
+    max_num_seqs = min(limits.max_num_seqs, concurrency) if concurrency else limits.max_num_seqs
     return EngineSpec(model, block_size=experiment.block_size, num_gpu_blocks_override=experiment.num_blocks,
                       kv_cache_memory_bytes=64 << 20, max_model_len=max_model_len,
-                      max_num_seqs=max(concurrency or 8, 1), seed=experiment.seed)
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens,
+                      seed=experiment.seed,
+                      extra_llm_kwargs={"enable_chunked_prefill": limits.enable_chunked_prefill,
+                                        "long_prefill_token_threshold": limits.long_prefill_token_threshold})
 
 
 def default_num_blocks(requests: Sequence[Request], concurrency: int | None, block_size: int) -> int:

@@ -1,0 +1,48 @@
+"""The scheduler defaults vtoken copies from vLLM (vtoken/defaults.py VLLM_BATCH_DEFAULTS) are
+what the installed vLLM gives `vllm serve` on every catalog GPU, and vtoken reads them from vLLM
+once it is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_tier.conftest import VLLM_MISSING, VLLM_PROBE
+
+pytest.importorskip(VLLM_PROBE, reason=VLLM_MISSING)
+
+import vllm.engine.arg_utils  # noqa: E402,F401  (loaded: vllm_batch_defaults reads it)
+from vllm.config.scheduler import SchedulerConfig  # noqa: E402
+
+from vtoken import defaults  # noqa: E402
+from vtoken.engine.batch_limits import documented_batch_defaults, vllm_batch_defaults  # noqa: E402
+from vtoken.hardware import GPUS  # noqa: E402
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+def test_documented_batch_defaults_are_the_installed_vllm_s(gpu):
+    read = vllm_batch_defaults(GPUS[gpu])
+    documented = documented_batch_defaults(GPUS[gpu])
+    assert read.source.startswith(f"vLLM {vllm.__version__} (loaded)"), read.source
+    assert (read.max_num_batched_tokens, read.max_num_seqs) == (documented.max_num_batched_tokens,
+                                                                documented.max_num_seqs)
+
+
+def test_chunked_prefill_and_the_chunk_cap_default_as_vllm_s():
+    fields = SchedulerConfig.__dataclass_fields__
+    assert fields["enable_chunked_prefill"].default is defaults.ENABLE_CHUNKED_PREFILL
+    assert fields["long_prefill_token_threshold"].default.default == defaults.LONG_PREFILL_TOKEN_THRESHOLD
+
+
+def test_the_engine_runs_with_the_experiment_s_scheduler_limits(tiny_model_dir):
+    from vtoken.engine.experiment import Experiment, SchedulerConfig
+    from vtoken.engine.vllm.engine import open_llm, scheduler_of
+    from vtoken.engine.vllm.run import engine_spec_for
+    from vtoken.engine.vllm.settings import VllmSettings
+    from vtoken.model_spec import resolve_model
+
+    experiment = Experiment(resolve_model("smollm2-135m"), GPUS["h100-80gb"], 64, 32,
+                            scheduler=SchedulerConfig(max_num_batched_tokens=96, long_prefill_token_threshold=32))
+    with open_llm(engine_spec_for(experiment, 3, tiny_model_dir, max_model_len=512), VllmSettings("vtoken")) as llm:
+        config = scheduler_of(llm).scheduler_config
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
+            config.long_prefill_token_threshold) == (96, 3, True, 32)
