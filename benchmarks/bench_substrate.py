@@ -28,7 +28,7 @@ Times are host microseconds of this process's CPU time (time.process_time; on a 
 with other work wall time measures the others' load; `--wall` uses time.perf_counter). Each
 repetition is a fresh run with its own seed; a row gives the median repetition's parts and the
 min-max over repetitions of the mean and of the worst step's evict + reclaim, both against the
-sim's modelled decode step of the same configuration (StepCostModel, default model and GPU: one
+sim's modelled decode step of the same configuration (SimExecutor.iteration_time_s, default model and GPU: one
 step of R requests reading R x L KV tokens). The goal is evict + reclaim within 1% of that step.
 Victims are chosen outside the timed region (that is the policy's cost). check_plan (the I4
 check the runtime runs on every plan) is not included; its cost per plan is reported apart.
