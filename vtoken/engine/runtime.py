@@ -244,8 +244,10 @@ class Runtime:
     def _pack_under_pressure(self) -> None:
         """Memory decides now: when the running requests' next step and the admission waiting
         for blocks do not fit with the reserve to spare, free the shortfall, and no more."""
-        num_needed = self.scheduler.num_blocks_to_grow() + self.scheduler.num_blocks_to_admit_next()
-        num_short = self.reclaimer.num_blocks_short(num_needed)
+        num_to_admit = self.scheduler.num_blocks_to_admit_next()
+        if self.reclaimer.num_blocks_short(self.scheduler.max_num_blocks_to_grow() + num_to_admit) == 0:
+            return  # not short even at the bound (the exact count walks every running request)
+        num_short = self.reclaimer.num_blocks_short(self.scheduler.num_blocks_to_grow() + num_to_admit)
         if num_short > 0:
             self._reclaim(num_short)
 
@@ -254,6 +256,8 @@ class Runtime:
         compaction: lazy hole-fill moved young tokens into the holes of old blocks, and FIFO
         eviction (StreamingLLM) then killed the old tokens around them, so those blocks stay held
         where naive-evict frees them whole. Pack that request now, until it holds no more."""
+        if table.num_blocks <= -(-table.num_live_tokens // table.block_size):
+            return  # no layout holds fewer blocks than its live tokens fill
         num_excess = table.num_blocks - num_uncompacted_blocks(table)
         if num_excess > 0 and table.req_id not in self._busy_req_ids:
             self._reclaim(num_excess, [table], "layout")

@@ -361,6 +361,11 @@ class Scheduler:
             budget -= num_new
         return num_needed
 
+    def max_num_blocks_to_grow(self) -> int:
+        """An upper bound of `num_blocks_to_grow`, in O(1): a request's n new tokens take at most
+        n // S + 1 fresh blocks, and the step's tokens are at most the budget."""
+        return len(self.running) + self.limits.max_num_batched_tokens // self.pool.block_size
+
     def preempt_last(self) -> ReqState:
         """Recompute-style preemption of the most recently admitted running request: it waits
         at the head of the queue and is prefilled again from all its tokens."""

@@ -244,8 +244,8 @@ def num_uncompacted_blocks(table: TokenTable) -> int:
         token ids:  [0..S) [S..2S) [2S..3S) [3S..4S)      live ids 1, 2S+3, 3S+1 (writing)
         held:        yes    no      yes      yes           -> 3 blocks
     """
-    logical = np.unique(table.live_token_ids() // table.block_size)
-    num_blocks = logical.size
+    logical = table.live_token_ids() // table.block_size  # ascending: count where it steps
+    num_blocks = int(np.count_nonzero(logical[1:] != logical[:-1])) + 1 if logical.size else 0
     if table.num_tokens and (not logical.size or logical[-1] != (table.num_tokens - 1) // table.block_size):
         num_blocks += 1
     return num_blocks
