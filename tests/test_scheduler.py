@@ -47,7 +47,12 @@ class RecordingSim(SimExecutor):
 
 
 class WatchedRuntime(Runtime):
-    """Checks every preemption's victim against the running set as it was then."""
+    """Checks every preemption's victim against the running set as it was then, and that the
+    O(1) bound pressure packing gates on never undercounts the next step's growth."""
+
+    def schedule(self):
+        assert self.scheduler.max_num_blocks_to_grow() >= self.scheduler.num_blocks_to_grow()
+        return super().schedule()
 
     def on_preempt(self, state):
         running = self.scheduler.running
