@@ -239,15 +239,14 @@ def test_the_vllm_engine_is_given_the_experiment_s_scheduler_limits():
     from vtoken.engine.vllm.run import engine_spec_for
 
     experiment = Experiment(resolve_model("smollm2-135m"), resolve_gpu("h100-80gb"), 200, 32,
-                            scheduler=SchedulerConfig(max_num_batched_tokens=96, long_prefill_token_threshold=32))
+                            scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=16,
+                                                      long_prefill_token_threshold=32))
     kwargs = engine_spec_for(experiment, 3, "model-dir").llm_kwargs()
     assert (kwargs["max_num_batched_tokens"], kwargs["long_prefill_token_threshold"], kwargs["enable_chunked_prefill"]) == \
         (96, 32, True)
     assert kwargs["max_num_seqs"] == 3  # closed loop: at most `concurrency` exist at once
-    defaults_h100 = documented_batch_defaults(resolve_gpu("h100-80gb"))
-    open_loop = engine_spec_for(replace(experiment, scheduler=SchedulerConfig()), None, "model-dir").llm_kwargs()
-    assert (open_loop["max_num_batched_tokens"], open_loop["max_num_seqs"]) == \
-        (defaults_h100.max_num_batched_tokens, defaults_h100.max_num_seqs)
-    whole = replace(experiment, scheduler=SchedulerConfig(max_num_batched_tokens=96, enable_chunked_prefill=False))
+    assert engine_spec_for(experiment, None, "model-dir").llm_kwargs()["max_num_seqs"] == 16  # open loop: the limit
+    whole = replace(experiment, scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=16,
+                                                          enable_chunked_prefill=False))
     with pytest.raises(ConfigError, match="with chunked prefill off, --max-num-batched-tokens \\(96\\)"):
         engine_spec_for(whole, 3, "model-dir")

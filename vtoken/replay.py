@@ -255,16 +255,18 @@ class VllmReplayer:
         self._on_status = on_status
         self.max_model_len = max_model_len
         self.measured: MeasuredExtras | None = None
+        self._scheduler_note = ""  # which scheduler limits came from vLLM's own defaults (resolve)
 
     def resolve(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                 num_blocks: int | None = None) -> Experiment:
-        from vtoken.engine.vllm.run import default_num_blocks
+        from vtoken.engine.vllm.run import default_num_blocks, with_engine_defaults
         from vtoken.model_spec import model_spec_from_hf_config
 
         require_vllm()
         spec = replace(model_spec_from_hf_config(self.model_folder()), dtype_bytes=4)  # the engine runs fp32
         num_blocks = num_blocks or default_num_blocks(requests, concurrency, experiment.block_size)
-        return replace(experiment, model=spec, num_blocks=num_blocks)
+        experiment, self._scheduler_note = with_engine_defaults(replace(experiment, model=spec, num_blocks=num_blocks))
+        return experiment
 
     def run_variants(self, experiment: Experiment, requests: Sequence[Request], concurrency: int | None,
                      progress: Progress | None = None, num_rounds: int = defaults.MEASURED_ROUNDS,
@@ -286,7 +288,7 @@ class VllmReplayer:
         raise ConfigError("--executor vllm replays the three variants only (no sweep, no frontier)")
 
     def notes(self) -> tuple[str, ...]:
-        return (VLLM_SKIPPED_NOTE,)
+        return (VLLM_SKIPPED_NOTE,) + ((self._scheduler_note,) if self._scheduler_note else ())
 
     def model_folder(self) -> Path:
         """The local folder this replayer's engines load (`model_folder`)."""

@@ -46,3 +46,22 @@ def test_the_engine_runs_with_the_experiment_s_scheduler_limits(tiny_model_dir):
         config = scheduler_of(llm).scheduler_config
     assert (config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
             config.long_prefill_token_threshold) == (96, 3, True, 32)
+
+
+def test_limits_not_given_are_the_engine_s_own_defaults_on_this_machine():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from vtoken.engine.experiment import Experiment, SchedulerConfig
+    from vtoken.engine.vllm.run import engine_spec_for, with_engine_defaults
+    from vtoken.model_spec import resolve_model
+
+    tokens, seqs = EngineArgs.get_batch_defaults(1)
+    experiment = Experiment(resolve_model("smollm2-135m"), GPUS["h100-80gb"], 64, 32,
+                            scheduler=SchedulerConfig(max_num_seqs=6))
+    filled, note = with_engine_defaults(experiment)
+    assert (filled.scheduler.max_num_batched_tokens, filled.scheduler.max_num_seqs) == (tokens[UsageContext.LLM_CLASS], 6)
+    assert note.startswith(f"scheduler: max_num_batched_tokens {tokens[UsageContext.LLM_CLASS]:,} as vLLM takes them")
+    assert engine_spec_for(experiment, None, "model-dir").llm_kwargs()["max_num_batched_tokens"] == tokens[UsageContext.LLM_CLASS]
+    assert with_engine_defaults(filled) == (filled, "")  # every limit given: nothing filled, no note
+    assert seqs[UsageContext.LLM_CLASS] > 0

@@ -72,6 +72,15 @@ def test_three_variants_on_vllm(trace, tiny_model_dir):
     assert runs["naive-evict"].tokens_moved == runs["vtoken"].tokens_moved > 0
     assert "compacts like vtoken" in payload["vllm"]["naive_evict_speed"]
     assert report.sweep == () and report.frontier is None and any("skipped" in n for n in report.trace.notes)
+    # the scheduler limits vLLM ran with are those --json states: none given, vLLM's own on this machine
+    from vtoken.engine.batch_limits import engine_batch_defaults
+
+    engine = engine_batch_defaults()
+    scheduler = payload["config"]["scheduler"]
+    assert (scheduler["max_num_batched_tokens"], scheduler["max_num_seqs"]) == \
+        (engine.max_num_batched_tokens, engine.max_num_seqs)
+    assert any(n.startswith("scheduler: max_num_batched_tokens") for n in report.trace.notes), \
+        report.trace.notes
     # the CLI's renderer takes the report as it takes a sim report without sweep and frontier
     console = Console(file=io.StringIO(), width=160)
     console.print(compare_report(report, False))

@@ -40,6 +40,21 @@ def vllm_batch_defaults(gpu: GpuSpec) -> BatchDefaults:
     return documented_batch_defaults(gpu)
 
 
+def engine_batch_defaults() -> BatchDefaults:
+    """What the installed vLLM takes on this machine's own device for `vllm.LLM` (the vllm
+    executor's entry point: `UsageContext.LLM_CLASS`) when given neither limit: on CPU, 4,096
+    tokens and 256 sequences in vLLM 0.32. Imports vLLM."""
+    from vllm import __version__
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+
+    tokens, seqs = EngineArgs.get_batch_defaults(1)
+    device = "cpu" if current_platform.is_cpu() else current_platform.get_device_name()
+    return BatchDefaults(int(tokens[UsageContext.LLM_CLASS]), int(seqs[UsageContext.LLM_CLASS]),
+                         f"vLLM {__version__} vllm/engine/arg_utils.py get_batch_defaults, vllm.LLM on this machine's {device}")
+
+
 def documented_batch_defaults(gpu: GpuSpec) -> BatchDefaults:
     """vLLM 0.32's table as `vtoken.defaults.VLLM_BATCH_DEFAULTS` copies it."""
     memory_gib = gpu.memory_bytes / GiB

@@ -209,7 +209,7 @@ def scheduler_phrase(experiment) -> str:
     if sched.evict_every_chunk:
         chunked += ", policy after every chunk"
     is_default = (sched.max_num_batched_tokens, sched.max_num_seqs) == (vllm.max_num_batched_tokens, vllm.max_num_seqs)
-    origin = f"vllm serve's defaults on {experiment.gpu.name}" if is_default else "set by flags or the sim profile"
+    origin = f"vllm serve's defaults on {experiment.gpu.name}" if is_default else "flags, the sim profile or the engine's own defaults: see the notes"
     return (f"vLLM V1: {sched.max_num_batched_tokens:,} tokens a step, at most {sched.max_num_seqs:,} running, "
             f"{chunked} ({origin})")
 

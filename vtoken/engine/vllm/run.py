@@ -152,13 +152,14 @@ def run_variants_on_vllm(experiment: Experiment, requests: Sequence[Request], co
 def engine_spec_for(experiment: Experiment, concurrency: int | None, model: str,
                     max_model_len: int = 2048) -> EngineSpec:
     """The vLLM engine of a compare: the experiment's block size and block budget, fp32, eager,
-    and the experiment's scheduler limits (vtoken's flags, else what `vllm serve` takes on the
-    experiment's GPU: engine/batch_limits.py), so that vLLM's scheduler and the sim's run the same
-    token budget, chunking and chunk cap. `max_num_seqs` is at most `concurrency` (closed loop:
-    no more requests exist at once)."""
+    and the experiment's scheduler limits (vtoken's flags; those not given, vLLM's own defaults on
+    this machine: `with_engine_defaults`, which the replayer's `resolve` applies first so that the
+    header and a validation's sim state the same ones), so that vLLM's scheduler and the sim's
+    run the same token budget, chunking and chunk cap. `max_num_seqs` is at most `concurrency`
+    (closed loop: no more requests exist at once)."""
     if experiment.block_size % 32:
         raise ConfigError(f"--executor vllm on CPU needs a block size that is a multiple of 32, got {experiment.block_size}")
-    limits = experiment.with_scheduler_defaults().scheduler
+    limits = with_engine_defaults(experiment)[0].scheduler
     max_model_len = min(max_model_len, (experiment.num_blocks - 1) * experiment.block_size)
     if not limits.enable_chunked_prefill and limits.max_num_batched_tokens < max_model_len:
         raise ConfigError(f"with chunked prefill off, --max-num-batched-tokens ({limits.max_num_batched_tokens}) must "
@@ -170,6 +171,24 @@ def engine_spec_for(experiment: Experiment, concurrency: int | None, model: str,
                       seed=experiment.seed,
                       extra_llm_kwargs={"enable_chunked_prefill": limits.enable_chunked_prefill,
                                         "long_prefill_token_threshold": limits.long_prefill_token_threshold})
+
+
+def with_engine_defaults(experiment: Experiment) -> tuple[Experiment, str]:
+    """The experiment with each scheduler limit it leaves None set to what vLLM takes on this
+    machine's device (engine_batch_defaults: the engine the vllm executor runs, not the catalog
+    GPU a sim run models), and a note naming them ("" when every limit was given)."""
+    from vtoken.engine.batch_limits import engine_batch_defaults
+
+    limits = experiment.scheduler
+    if limits.max_num_batched_tokens is not None and limits.max_num_seqs is not None:
+        return experiment, ""
+    engine = engine_batch_defaults()
+    filled = replace(limits, max_num_batched_tokens=limits.max_num_batched_tokens or engine.max_num_batched_tokens,
+                     max_num_seqs=limits.max_num_seqs or engine.max_num_seqs)
+    names = [n for n in ("max_num_batched_tokens", "max_num_seqs") if getattr(limits, n) is None]
+    note = (f"scheduler: {' and '.join(f'{n} {getattr(filled, n):,}' for n in names)} as vLLM takes them on this "
+            f"machine ({engine.source}); --max-num-batched-tokens and --max-num-seqs set them")
+    return replace(experiment, scheduler=filled), note
 
 
 def default_num_blocks(requests: Sequence[Request], concurrency: int | None, block_size: int) -> int:
