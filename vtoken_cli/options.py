@@ -85,6 +85,9 @@ LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
 EvictEveryChunk = Annotated[bool, typer.Option(
     help="Also run the policy after each prompt chunk, on the prompt so far (policies that need no attention "
          "scores: streaming_llm, random); default: after the last chunk only.")]
+SimProfilePath = Annotated[Optional[Path], typer.Option(
+    "--sim-profile", help="TOML file overriding sim cost-model and attention-model parameters (and, in a [scheduler] "
+                          "table, the scheduler limits).")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 Output = Annotated[Optional[Path], typer.Option(help="Write the report's JSON, CSV tables and plots into this directory.")]
 Force = Annotated[bool, typer.Option(help="Replace a non-empty --output directory.")]

@@ -25,9 +25,9 @@ from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Executor, Force,
     Gpu, GpuMemUtil, JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model,
-    NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Rounds, Seed, ThetaF, TimeUnit, Tokenizer,
-    TraceFormat, Variants, Warmup, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency,
-    parse_int_list, parse_variants, scheduler_flags,
+    NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Rounds, Seed, SimProfilePath, ThetaF, TimeUnit,
+    Tokenizer, TraceFormat, Variants, Warmup, Workers, build_cache, build_experiment, build_tokenizer,
+    check_concurrency, parse_int_list, parse_variants, scheduler_flags,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -62,7 +62,7 @@ def compare_command(
     time_unit: TimeUnit = None,
     max_requests: MaxRequests = None,
     tokenizer: Tokenizer = None,
-    sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters (and, in a [scheduler] table, the scheduler limits).")] = None,
+    sim_profile: SimProfilePath = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     max_num_seqs: MaxNumSeqs = None,
     chunked_prefill: ChunkedPrefill = None,

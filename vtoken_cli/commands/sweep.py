@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,8 +24,9 @@ from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Force, Gpu,
     GpuMemUtil, JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NoCache,
-    NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, ThetaF, TimeUnit, Tokenizer, TraceFormat, Variants,
-    Workers, build_cache, build_experiment, build_tokenizer, check_concurrency, parse_variants, scheduler_flags,
+    NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, SimProfilePath, ThetaF, TimeUnit, Tokenizer,
+    TraceFormat, Variants, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency,
+    parse_variants, scheduler_flags,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.sweep import sweep_table
@@ -61,7 +62,7 @@ def sweep_command(
     time_unit: TimeUnit = None,
     max_requests: MaxRequests = None,
     tokenizer: Tokenizer = None,
-    sim_profile: Annotated[Optional[Path], typer.Option(help="TOML file overriding sim cost-model and attention-model parameters (and, in a [scheduler] table, the scheduler limits).")] = None,
+    sim_profile: SimProfilePath = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     max_num_seqs: MaxNumSeqs = None,
     chunked_prefill: ChunkedPrefill = None,
