@@ -32,8 +32,8 @@ from vtoken.checker.faults import Fault
 from vtoken.checker.report import INVARIANTS, RunCheck, Tally, Violation
 from vtoken.checker.scenarios import Scenario
 from vtoken.checker.snapshots import ModelKVSnapshots
+from vtoken.engine.batch import Batch
 from vtoken.engine.runtime import Runtime
-from vtoken.engine.scheduler import Batch
 from vtoken.errors import InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_contents, check_plan, check_unique_mapping, check_visibility
 from vtoken.kv.block_pool import BlockPool

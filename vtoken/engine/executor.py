@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from vtoken.engine.scheduler import Batch
+    from vtoken.engine.batch import Batch
     from vtoken.kv.token_table import TokenTable
 
 TokenScores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (attention_sum, attention_last, importance_count)

@@ -31,12 +31,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from vtoken.engine.batch import Batch, ReqState, TableFactory
+from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores
 from vtoken.engine.experiment import Experiment, Run
 from vtoken.engine.hf_forward import PagedDecoder
 from vtoken.engine.observer import RuntimeObserver
 from vtoken.engine.runtime import PlannerFactory, Runtime
-from vtoken.engine.scheduler import Batch, ReqState, TableFactory
-from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores
 from vtoken.engine.scores import AttentionStats
 from vtoken.errors import ConfigError
 from vtoken.kv.copy_engine import CopyEngine

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from vtoken.engine.scheduler import Batch
+    from vtoken.engine.batch import Batch
     from vtoken.kv.reclaim import RelocationPlan
     from vtoken.kv.token_table import TokenTable
 

@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from vtoken.engine.experiment import Run
+from vtoken.engine.batch import Batch, ReqState, TableFactory
 from vtoken.engine.eviction import EvictionEvent, EvictionSchedule
 from vtoken.engine.executor import ChunkLoad, CopyCostModel, Executor, StepLoad
+from vtoken.engine.experiment import Run
 from vtoken.engine.observer import NullObserver, RuntimeObserver
-from vtoken.engine.scheduler import Batch, ReqState, Scheduler, SchedulerLimits, TableFactory
+from vtoken.engine.scheduler import Scheduler, SchedulerLimits
 from vtoken.errors import ConfigError
 from vtoken.invariants import check_plan
 from vtoken.kv.block_pool import BlockPool

@@ -74,7 +74,7 @@ from vtoken.hardware import GpuSpec
 from vtoken.model_spec import ModelSpec
 
 if TYPE_CHECKING:
-    from vtoken.engine.scheduler import Batch
+    from vtoken.engine.batch import Batch
 
 
 ATTENTION_READS = ("kv-extent", "live-tokens")  # paged kernels (vLLM's); a token-gather kernel

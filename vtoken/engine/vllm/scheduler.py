@@ -29,7 +29,7 @@ import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vtoken.engine.scheduler import TableFactory
+from vtoken.engine.batch import TableFactory
 from vtoken.engine.vllm.metrics import EngineMetrics
 from vtoken.engine.vllm.plan import PLAN_ATTRIBUTE, SCORES_ATTRIBUTE
 from vtoken.engine.vllm.prefix_cache import PrefixCache

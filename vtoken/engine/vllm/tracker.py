@@ -37,8 +37,8 @@ from typing import Protocol
 
 import numpy as np
 
+from vtoken.engine.batch import TableFactory
 from vtoken.engine.eviction import EvictionClock, EvictionEvent, EvictionSchedule
-from vtoken.engine.scheduler import TableFactory
 from vtoken.engine.scores import AttentionStats
 from vtoken.engine.vllm.plan import StepPlan
 from vtoken.engine.vllm.settings import VllmSettings
