@@ -159,3 +159,13 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert message in result.output
     assert "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_paper_takes_the_scheduler_s_chunked_prefill_and_token_budget():
+    args = ("prefix-sharing", "--degrees", "2", "--output-tokens", "64", "--json")
+    chunked = invoke(*args)
+    whole = invoke(*args, "--no-chunked-prefill", "--max-num-batched-tokens", "65536")
+    assert chunked.exit_code == 0 and whole.exit_code == 0, chunked.output + whole.output
+    row = lambda result: json.loads(result.stdout[result.stdout.index("{"):])["rows"][0]  # noqa: E731
+    # the flags reach the scheduler: whole prompts change when each request's blocks are taken
+    assert row(whole)["naive_blocks_per_request"] != row(chunked)["naive_blocks_per_request"]

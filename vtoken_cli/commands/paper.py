@@ -18,8 +18,9 @@ from vtoken.replay import SimReplayer
 from vtoken.runners import make_runner
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    BlockSize, CacheDir, EvictionInterval, Gpu, GpuMemUtil, JsonOut, MaxRequests, NoCache, RayAddress, ReclaimMode,
-    Seed, ThetaF, Tokenizer, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency, parse_int_list,
+    BlockSize, CacheDir, ChunkedPrefill, EvictionInterval, Gpu, GpuMemUtil, JsonOut, MaxNumBatchedTokens,
+    MaxRequests, NoCache, RayAddress, ReclaimMode, Seed, ThetaF, Tokenizer, Workers, build_cache,
+    build_experiment, build_tokenizer, check_concurrency, parse_int_list, scheduler_flags,
 )
 from vtoken_cli.output import progress_bar
 from vtoken_cli.render.paper import paper_report
@@ -72,6 +73,8 @@ def paper_command(
     theta_f: ThetaF = defaults.THETA_F,
     eviction_interval: EvictionInterval = defaults.EVICTION_INTERVAL_TOKENS,
     seed: Seed = defaults.SEED,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    chunked_prefill: ChunkedPrefill = None,
     workers: Workers = None,
     ray: RayAddress = None,
     cache_dir: CacheDir = None,
@@ -118,6 +121,9 @@ def paper_command(
         model=model or defaults.MODEL, gpu=gpu, num_blocks=None, gpu_mem_util=gpu_mem_util, block_size=block_size,
         policy=policy, budget=budget or (paper.PREFIX_BUDGET if experiment == "prefix-sharing" else defaults.BUDGET),
         eviction_interval=eviction_interval, reclaim_mode=reclaim_mode, theta_f=theta_f, seed=seed, sim_profile=None,
+        scheduler=scheduler_flags(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=None,
+                                  chunked_prefill=chunked_prefill, long_prefill_token_threshold=None,
+                                  evict_every_chunk=False),
     ).run("vtoken", check_concurrency(concurrency or DEFAULT_CONCURRENCY))
     replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),
                            cache=build_cache(cache_dir, no_cache))
