@@ -76,6 +76,19 @@ def test_sim_resolves_the_budget_from_the_gpu_when_none_is_given() -> None:
     assert make_replayer("sim").resolve(experiment, REQUESTS, 4, 123).num_blocks == 123
 
 
+def test_a_command_s_experiment_leaves_unset_limits_to_the_replayer() -> None:
+    from vtoken_cli.options import build_experiment
+
+    experiment = build_experiment(model=defaults.MODEL, gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9,
+                                  block_size=16, policy="h2o", budget="50%", eviction_interval=1,
+                                  reclaim_mode="hole-fill", theta_f=0.3, seed=0, sim_profile=None,
+                                  scheduler={"max_num_seqs": 7})
+    assert (experiment.scheduler.max_num_batched_tokens, experiment.scheduler.max_num_seqs) == (None, 7)
+    resolved = SimReplayer().resolve(experiment, [], None)
+    assert resolved.scheduler == experiment.scheduler.with_defaults(resolved.gpu)  # vllm serve's on the GPU
+    assert resolved.scheduler.max_num_batched_tokens == 8192 and resolved.scheduler.max_num_seqs == 7
+
+
 def test_hf_sizes_the_budget_for_concurrency_full_length_requests(tiny_model) -> None:
     replayer = HFReplayer(tiny_model)
     experiment = make_experiment(block_size=4)

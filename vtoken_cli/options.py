@@ -201,7 +201,9 @@ def build_experiment(
 ) -> Experiment:
     """The `Experiment` of a command's flags; every bad flag is a ConfigError that names it.
     `scheduler`: the scheduler flags given (`scheduler_flags`), over the sim profile's
-    [scheduler] table, over vLLM's defaults for the GPU."""
+    [scheduler] table; limits neither sets stay None for the executor's replayer to fill
+    (`resolve`: vLLM's defaults for the GPU in the sim, the engine's own on the machine for
+    --executor vllm)."""
     if block_size <= 0:
         raise ConfigError(f"--block-size must be > 0, got {block_size}")
     if not 0 < gpu_mem_util <= 1:
@@ -227,7 +229,7 @@ def build_experiment(
                                      **(scheduler or {})}),
         seed=seed,
         sim=load_sim_profile(sim_profile) if sim_profile else SimProfile(),
-    ).with_scheduler_defaults()
+    )
 
 
 def scheduler_flags(*, max_num_batched_tokens: int | None, max_num_seqs: int | None, chunked_prefill: bool | None,

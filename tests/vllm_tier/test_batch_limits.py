@@ -65,3 +65,22 @@ def test_limits_not_given_are_the_engine_s_own_defaults_on_this_machine():
     assert engine_spec_for(experiment, None, "model-dir").llm_kwargs()["max_num_batched_tokens"] == tokens[UsageContext.LLM_CLASS]
     assert with_engine_defaults(filled) == (filled, "")  # every limit given: nothing filled, no note
     assert seqs[UsageContext.LLM_CLASS] > 0
+
+
+def test_the_cli_s_experiment_runs_vllm_with_the_engine_s_defaults():
+    # a command's flags leave unset limits to the replayer: the vllm executor must not get the
+    # catalog GPU's (vllm serve on an H100: 8,192 tokens, 1,024 sequences)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from vtoken.replay import make_replayer
+    from vtoken.trace import Request
+    from vtoken_cli.options import build_experiment
+
+    experiment = build_experiment(model="smollm2-135m", gpu="h100-80gb", num_blocks=None, gpu_mem_util=0.9,
+                                  block_size=32, policy="h2o", budget="50%", eviction_interval=1,
+                                  reclaim_mode="hole-fill", theta_f=0.3, seed=0, sim_profile=None)
+    resolved = make_replayer("vllm", model="smollm2-135m").resolve(experiment, [Request("r", 0.0, 64, 8)], 2)
+    tokens, seqs = EngineArgs.get_batch_defaults(1)
+    assert (resolved.scheduler.max_num_batched_tokens, resolved.scheduler.max_num_seqs) == \
+        (tokens[UsageContext.LLM_CLASS], seqs[UsageContext.LLM_CLASS])
