@@ -13,8 +13,10 @@ import pytest
 
 from vtoken import defaults
 from vtoken.calibration.grid import QUICK_GRID, CalibrationGrid
+from vtoken.calibration.fit import MeasuredStep, step_kind
 from vtoken.calibration.model import Provenance, StepTimeModel
-from vtoken.engine.sim import SimProfile
+from vtoken.engine.runtime import Runtime
+from vtoken.engine.sim import SimExecutor, SimProfile
 from vtoken.replay import SimReplayer
 from vtoken.rounds import run_rounds
 from vtoken.trace import load_trace
@@ -60,7 +62,18 @@ class SimEngine:
         truth = scaled(self.truth, self.drift ** len(self.results))
         experiment = replace(run.experiment, sim=SimProfile(sync_copy=True, step_model=truth),
                              num_blocks=run.experiment.num_blocks - self.null_blocks)
-        self.results.append(SimReplayer().run(replace(run, experiment=experiment), requests))
+        steps = []
+
+        class Recording(SimExecutor):  # every step's load and time, as the vllm engine records them
+            def execute(self, batch, load):
+                duration_s = super().execute(batch, load)
+                steps.append(MeasuredStep(step_kind(load), load, duration_s))
+                return duration_s
+
+        run = replace(run, experiment=experiment.with_scheduler_defaults())
+        self.results.append(Runtime(run, requests, Recording(experiment.model, experiment.gpu, experiment.sim,
+                                                             experiment.seed)).run())
+        self.recorded_steps = tuple(steps) if not run.spec.evicts else ()
         return self.results[-1]
 
 
@@ -94,6 +107,30 @@ def test_validate_reports_a_slower_model_as_its_error(requests):
         assert figures["throughput_tok_s"].rel_error == pytest.approx(1 / 1.1 - 1)
         for figure in FIGURES[1:]:
             assert figures[figure].rel_error == pytest.approx(0.1), figure
+
+
+def test_the_step_check_is_the_model_on_the_engine_s_own_native_steps(requests):
+    engine = SimEngine(scaled(TRUE, 1.25))  # every step of the engine 25% slower than the profile says
+    report = run_validate(requests, engine, num_rounds=2)
+    assert list(report.steps) == ["decode", "prefill", "mixed", "all"]
+    native_rounds = [r for r, (variant, is_warmup) in zip(engine.results, engine.replayed)
+                     if variant == "native" and not is_warmup]
+    assert report.steps["all"].num_steps == sum(r.num_iterations for r in native_rounds)
+    for c in report.steps.values():
+        assert c.rel_error == pytest.approx(1 / 1.25 - 1)
+    # the figures' error is the steps' here (same schedule on both sides)
+    assert report.checks["native"]["latency_p50_s"].rel_error == pytest.approx(1 / 1.25 - 1)
+    payload = report_to_json(report)["steps"]["native"]
+    assert payload["all"] == {"num_steps": report.steps["all"].num_steps,
+                              "measured_mean_s": report.steps["all"].measured_mean_s,
+                              "predicted_mean_s": report.steps["all"].predicted_mean_s,
+                              "rel_error": report.steps["all"].rel_error}
+
+
+def test_an_engine_that_records_no_steps_gets_no_step_check(requests):
+    engine = SimEngine(TRUE)
+    engine.replay = lambda run, reqs, replay=engine.replay: (replay(run, reqs), setattr(engine, "recorded_steps", ()))[0]
+    assert run_validate(requests, engine, num_rounds=1).steps == {}
 
 
 def test_the_measurement_is_run_rounds_warm_up_and_order(requests):
@@ -140,7 +177,7 @@ def test_every_figure_is_its_rounds_in_order_and_their_median(requests):
 def test_the_json_is_the_report(requests):
     report = run_validate(requests, SimEngine(TRUE, drift=1.05))
     payload = json.loads(json.dumps(report_to_json(report)))
-    assert list(payload) == ["variants"] and list(payload["variants"]) == list(VALIDATED_VARIANTS)
+    assert list(payload) == ["variants", "steps"] and list(payload["variants"]) == list(VALIDATED_VARIANTS)
     for variant, figures in report.checks.items():
         assert list(payload["variants"][variant]) == list(FIGURES)
         for figure, c in figures.items():
@@ -156,3 +193,18 @@ def test_the_validation_trace_is_none_of_the_grids_prompts():
                                    grid.mixed_context_tokens)}
     assert len(trace.requests) == 32
     assert not {r.num_prompt_tokens for r in trace.requests} & grid_prompts
+
+
+def test_the_report_renders_the_figures_and_the_step_check(requests):
+    from rich.console import Console
+
+    from vtoken_cli.render.validate import validation_report
+
+    console = Console(width=200, record=True)
+    console.print(validation_report(run_validate(requests, SimEngine(scaled(TRUE, 1.25)), num_rounds=1)))
+    text = console.export_text()
+    assert "TPOT p50 (ms)" in text and "-20.0%" in text
+    assert "step model on vllm's own native steps" in text
+    rows = [line.strip("│ ").split()[0] for line in text.splitlines()
+            if line.startswith("│ ") and line.split()[1] in ("decode", "prefill", "mixed", "all")]
+    assert rows == ["decode", "prefill", "mixed", "all"]

@@ -15,6 +15,13 @@ out, then `num_rounds` rounds replay every variant once, the order rotated from 
 The measured value of a figure is its median over the rounds, its spread the lowest and highest
 round (`rounds.spread_of`). rel_error = (simulated - measured) / measured.
 
+Where a figure is off, the report says how much of it is the step times: the profile's step
+model on the engine's own steps of the measured native rounds, each timed with the load vLLM
+scheduled (`StepCheck`; the vllm engine records them, calibration/engines.py). A step error
+close to the figures' says the steps cost what the model does not (the machine since the
+calibration, or steps the grid did not cover); the rest is the schedule, which steps the sim
+runs.
+
 Only native and vtoken are validated: in vLLM, naive-evict must compact like vToken (the
 kernels read slots 0..seq_len-1, engine/vllm/settings.py) and only holds the blocks back, so
 its measured speed is not Naive-Evict's.
@@ -27,6 +34,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 from vtoken import defaults
+from vtoken.calibration.fit import STEP_KINDS, MeasuredStep
+from vtoken.calibration.model import StepTimeModel
 from vtoken.engine.experiment import Experiment, Run
 from vtoken.engine.sim import SimProfile
 from vtoken.errors import ConfigError
@@ -48,8 +57,23 @@ class MeasuredEngine(Protocol):
 
     name: str
     null_blocks: int  # blocks of the budget the engine keeps for itself (vLLM's null block)
+    recorded_steps: tuple[MeasuredStep, ...]  # the last native replay's timed steps; () where not recorded
 
     def replay(self, run: Run, requests: Sequence[Request]) -> RunResult: ...
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """The step model on the engine's own steps of one kind (decode, prefill, mixed, or all)."""
+
+    num_steps: int
+    measured_mean_s: float
+    predicted_mean_s: float
+
+    @property
+    def rel_error(self) -> float:
+        """(predicted - measured) / measured, of the mean (so of the steps' total)."""
+        return (self.predicted_mean_s - self.measured_mean_s) / self.measured_mean_s
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,7 @@ class ValidationReport:
     measured: dict[str, tuple[RunResult, ...]]  # variant -> one result per round, in round order
     simulated: dict[str, RunResult]
     notes: tuple[str, ...]
+    steps: dict[str, StepCheck]  # kind -> the step model on the measured native steps; {} if not recorded
 
     @property
     def num_rounds(self) -> int:
@@ -100,27 +125,44 @@ def validate(source: str, requests: Sequence[Request], experiment: Experiment, c
     if profile.step_model is None:
         raise ConfigError("validate needs a calibrated sim profile (one with [sim.step_model]); "
                           "write one with vtoken calibrate")
-    measured = measure_rounds(engine, experiment, concurrency, requests, num_rounds, on_run)
+    steps: list[MeasuredStep] = []
+    measured = measure_rounds(engine, experiment, concurrency, requests, num_rounds, on_run, steps)
     simulated = simulate(replace(experiment, sim=profile, num_blocks=experiment.num_blocks - engine.null_blocks),
                          requests, concurrency)
     checks = {v: {f: check(measured.results[v], simulated[v], f) for f in FIGURES} for v in VALIDATED_VARIANTS}
     return ValidationReport(source, engine.name, experiment, concurrency, profile.describe_step_times(),
-                            measured.record, checks, measured.results, simulated, (NAIVE_EVICT_NOTE,))
+                            measured.record, checks, measured.results, simulated, (NAIVE_EVICT_NOTE,),
+                            step_checks(profile.step_model, steps))
 
 
 def measure_rounds(engine: MeasuredEngine, experiment: Experiment, concurrency: int | None,
                    requests: Sequence[Request], num_rounds: int,
-                   on_run: OnRun | None = None) -> Rounds[RunResult]:
+                   on_run: OnRun | None = None, steps: list[MeasuredStep] | None = None) -> Rounds[RunResult]:
     """`run_rounds` over the validated variants on `engine`: a warm-up replay of each (of
-    `warmup_requests`, dropped), then `num_rounds` rounds of all of `requests`."""
+    `warmup_requests`, dropped), then `num_rounds` rounds of all of `requests`. `steps` gets
+    the engine's recorded steps of every measured native replay."""
     warmup = warmup_requests(requests, concurrency)
 
     def replay(variant: str, round_idx: int | None) -> RunResult:
         if on_run is not None:
             on_run(f"warm-up: {variant}" if round_idx is None else f"round {round_idx + 1}: {variant}")
-        return engine.replay(experiment.run(variant, concurrency), requests if round_idx is not None else warmup)
+        result = engine.replay(experiment.run(variant, concurrency), requests if round_idx is not None else warmup)
+        if steps is not None and round_idx is not None and variant == "native":
+            steps.extend(engine.recorded_steps)
+        return result
 
     return run_rounds(VALIDATED_VARIANTS, replay, num_rounds, defaults.MEASURED_WARMUP)
+
+
+def step_checks(model: StepTimeModel, steps: Sequence[MeasuredStep]) -> dict[str, StepCheck]:
+    """The model's mean step time against the measured one, per kind of step present and over all."""
+    by_kind = {kind: [s for s in steps if s.kind == kind] for kind in STEP_KINDS}
+    by_kind = {kind: of_kind for kind, of_kind in by_kind.items() if of_kind}
+    if by_kind:
+        by_kind["all"] = list(steps)
+    return {kind: StepCheck(len(of_kind), sum(s.measured_s for s in of_kind) / len(of_kind),
+                            sum(model.forward_time_s(s.load) for s in of_kind) / len(of_kind))
+            for kind, of_kind in by_kind.items()}
 
 
 def warmup_requests(requests: Sequence[Request], concurrency: int | None) -> list[Request]:
@@ -147,12 +189,15 @@ def check(measured: Sequence[RunResult], simulated: RunResult, figure: str) -> F
 
 def report_to_json(report: ValidationReport) -> dict:
     """`{"variants": {VARIANT: {FIGURE: {"measured": x, "simulated": y, "rel_error": e,
-    "spread": {"min", "median", "max", "values"}}}}}`: the measured figure's spread over the
-    rounds as compare's `--json` gives it (values in round order)."""
+    "spread": {"min", "median", "max", "values"}}}}, "steps": {"native": {KIND: {"num_steps",
+    "measured_mean_s", "predicted_mean_s", "rel_error"}}}}`: the measured figure's spread over the
+    rounds as compare's `--json` gives it (values in round order); the step model on the
+    engine's own native steps (`StepCheck`)."""
     from vtoken.jsonsafe import make_json_safe
 
     return make_json_safe({"variants": {
         variant: {figure: {"measured": c.measured, "simulated": c.simulated, "rel_error": c.rel_error,
                            "spread": asdict(c.spread)}
                   for figure, c in figures.items()}
-        for variant, figures in report.checks.items()}})
+        for variant, figures in report.checks.items()},
+        "steps": {"native": {kind: {**asdict(c), "rel_error": c.rel_error} for kind, c in report.steps.items()}}})

@@ -48,9 +48,14 @@ def test_calibrate_then_validate_on_vllm(tiny_model_dir, tmp_path):
                                  "--sim-profile", str(profile_path), "--concurrency", "2", "--rounds", "1", "--json"])
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout[result.stdout.index("{"):])
-    assert list(printed) == ["variants"] and list(printed["variants"]) == ["native", "vtoken"]
+    assert list(printed) == ["variants", "steps"] and list(printed["variants"]) == ["native", "vtoken"]
     for figures in printed["variants"].values():
         assert list(figures) == list(FIGURES)
         for entry in figures.values():
             assert entry["measured"] > 0 and entry["simulated"] > 0
             assert entry["rel_error"] == pytest.approx((entry["simulated"] - entry["measured"]) / entry["measured"])
+    # vLLM's own native steps, timed with their loads: one per iteration of the round's replay
+    steps = printed["steps"]["native"]
+    assert {"decode", "all"} <= set(steps) and steps["all"]["num_steps"] == sum(
+        s["num_steps"] for kind, s in steps.items() if kind != "all")
+    assert all(s["measured_mean_s"] > 0 and s["predicted_mean_s"] > 0 for s in steps.values())

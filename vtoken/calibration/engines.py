@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+from vtoken.calibration.fit import MeasuredStep, step_kind
 from vtoken.engine.experiment import Experiment, Run
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
@@ -25,18 +26,35 @@ MEASURED_EXECUTORS = ("vllm", "hf")
 
 
 class VllmEngine:
-    """`llm`: an in-process vLLM engine built by `open_llm` with vToken's scheduler."""
+    """`llm`: an in-process vLLM engine built by `open_llm` with the recording scheduler
+    (calibration/vllm_steps.py), so that each step of a native replay is timed with its load."""
 
     name = "vllm"
     null_blocks = 1  # vLLM's pool keeps block 0 as its null block
 
     def __init__(self, llm) -> None:
         self.llm = llm
+        self.recorded_steps: tuple[MeasuredStep, ...] = ()
 
     def replay(self, run: Run, requests: Sequence[Request]) -> RunResult:
+        """Compare's replay; a native one keeps its steps in `recorded_steps` (the recording
+        scheduler counts a request's KV extent as its computed tokens, which holds without
+        eviction only)."""
+        from vtoken.engine.vllm.engine import scheduler_of
         from vtoken.engine.vllm.run import replay
 
-        return replay(self.llm, run, requests)
+        scheduler = scheduler_of(self.llm)
+        steps: list[MeasuredStep] = []
+
+        def on_step(elapsed_s: float) -> None:
+            load = scheduler.vtoken_last_load
+            if load is not None:
+                steps.append(MeasuredStep(step_kind(load), load, elapsed_s))
+
+        scheduler.vtoken_last_load = None
+        result = replay(self.llm, run, requests, on_step=on_step if not run.spec.evicts else None)
+        self.recorded_steps = tuple(steps)
+        return result
 
 
 class HFEngine:
@@ -44,6 +62,7 @@ class HFEngine:
 
     name = "hf"
     null_blocks = 0
+    recorded_steps: tuple[MeasuredStep, ...] = ()  # the hf replay's steps are not recorded
 
     def __init__(self, model) -> None:
         self.model = model
@@ -69,8 +88,10 @@ def open_engine(executor: str, model: str, experiment: Experiment, requests: Seq
     if executor == "hf":
         yield HFEngine(replayer.loaded_model()), experiment
         return
+    from vtoken.calibration.vllm_steps import RECORDING_SCHEDULER_CLS
     from vtoken.engine.vllm.engine import open_llm
     from vtoken.engine.vllm.run import settings_for
 
-    with open_llm(replayer.engine_spec(experiment, concurrency), settings_for(experiment, "native")) as llm:
+    with open_llm(replayer.engine_spec(experiment, concurrency), settings_for(experiment, "native"),
+                  scheduler_cls=RECORDING_SCHEDULER_CLS) as llm:
         yield VllmEngine(llm), experiment

@@ -16,8 +16,9 @@ from vtoken.trace import load_trace, within_context
 from vtoken.validate import report_to_json, validate
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    Budget, Concurrency, EvictionInterval, JsonOut, MaxRequests, NumBlocks, Policy, ReclaimMode, Seed, ThetaF,
-    TimeUnit, TraceFormat, build_experiment,
+    Budget, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, JsonOut, LongPrefillTokenThreshold,
+    MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, NumBlocks, Policy, ReclaimMode, Seed, ThetaF, TimeUnit,
+    TraceFormat, build_experiment, scheduler_flags,
 )
 from vtoken_cli.render.validate import validation_report
 
@@ -36,6 +37,11 @@ def validate_command(
     eviction_interval: EvictionInterval = defaults.EVICTION_INTERVAL_TOKENS,
     reclaim_mode: ReclaimMode = defaults.RECLAIM_MODE,
     theta_f: ThetaF = defaults.THETA_F,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    max_num_seqs: MaxNumSeqs = None,
+    chunked_prefill: ChunkedPrefill = None,
+    long_prefill_token_threshold: LongPrefillTokenThreshold = None,
+    evict_every_chunk: EvictEveryChunk = False,
     rounds: Annotated[int, typer.Option(help="Measured rounds; each replays native and vtoken, alternating.")] = 3,
     seed: Seed = defaults.SEED,
     trace_format: TraceFormat = defaults.TRACE_FORMAT,
@@ -44,11 +50,14 @@ def validate_command(
     json_out: JsonOut = False,
 ) -> None:
     """Replay TRACE on the real engine and on the sim with the calibrated profile, with the same
-    settings (block budget, block size, concurrency, policy, seed), and report per variant the
+    settings (block budget, block size, concurrency, policy, seed, scheduler limits: those no
+    flag sets are the engine's own defaults on this machine), and report per variant the
     measured figure, the simulated one and the relative error: throughput, TTFT, TPOT and
     end-to-end latency at p50 and p95. Warm-up is left out; the measured rounds alternate the
     variants and their spread is shown. naive-evict is not validated: in vLLM it compacts like
-    vToken, so its measured speed is not Naive-Evict's.
+    vToken, so its measured speed is not Naive-Evict's. For vllm, the step model is also checked
+    on the engine's own native steps, each timed with the load vLLM scheduled: the step times'
+    share of the error.
 
     \b
     Examples
@@ -57,7 +66,8 @@ def validate_command(
 
     \b
     --json prints {"variants": {VARIANT: {FIGURE: {"measured": x, "simulated": y,
-    "rel_error": e, "spread": {"min", "median", "max", "values"}}}}}, rel_error =
+    "rel_error": e, "spread": {"min", "median", "max", "values"}}}}, "steps": {"native":
+    {KIND: {"num_steps", "measured_mean_s", "predicted_mean_s", "rel_error"}}}}, rel_error =
     (simulated - measured) / measured, the spread over the rounds in round order.
 
     \b
@@ -83,7 +93,11 @@ def validate_command(
     experiment = build_experiment(model="smollm2-135m", gpu=defaults.GPU, num_blocks=num_blocks,
                                   gpu_mem_util=defaults.GPU_MEMORY_UTILIZATION, block_size=block_size, policy=policy,
                                   budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
-                                  theta_f=theta_f, seed=seed, sim_profile=None)
+                                  theta_f=theta_f, seed=seed, sim_profile=None,
+                                  scheduler=scheduler_flags(max_num_batched_tokens=max_num_batched_tokens,
+                                                            max_num_seqs=max_num_seqs, chunked_prefill=chunked_prefill,
+                                                            long_prefill_token_threshold=long_prefill_token_threshold,
+                                                            evict_every_chunk=evict_every_chunk))
     loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests)
     say = lambda message: stderr.print(message, highlight=False, markup=False)  # noqa: E731
     with open_engine(executor, model, experiment, loaded.requests, concurrency, num_blocks,

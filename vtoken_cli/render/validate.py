@@ -37,6 +37,15 @@ def validation_report(report: ValidationReport) -> Group:
                           f"{_num(scale * c.spread.min)}-{_num(scale * c.spread.max)}",
                           _num(scale * c.simulated), f"{100 * c.rel_error:+.1f}%")
         parts.append(titled(variant, table))
+    if report.steps:
+        table = Table()
+        for header in ("kind of step", "steps", "measured mean (ms)", "predicted (ms)", "error"):
+            table.add_column(header, justify="left" if header == "kind of step" else "right", no_wrap=True)
+        for kind, c in report.steps.items():
+            table.add_row(kind, f"{c.num_steps:,}", _num(1e3 * c.measured_mean_s), _num(1e3 * c.predicted_mean_s),
+                          f"{100 * c.rel_error:+.1f}%")
+        parts.append(titled(f"step model on {report.engine}'s own native steps (the step times' share of the "
+                            "error; the rest is the schedule)", table))
     parts.extend(Text(note, style="yellow") for note in report.notes)
     return Group(*parts)
 

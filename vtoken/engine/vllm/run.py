@@ -76,8 +76,10 @@ def preemptions_by_id(scheduler) -> dict[str, int]:
 
 
 def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], None] | None = None,
-           check_invariants: bool = False) -> RunResult:
-    """Closed-loop replay of `requests` on a built engine with `run`'s variant settings."""
+           check_invariants: bool = False, on_step: Callable[[float], None] | None = None) -> RunResult:
+    """Closed-loop replay of `requests` on a built engine with `run`'s variant settings.
+    `on_step(seconds)`: after each iteration of the loop (`engine.step()`, the stamps, the
+    memory sample and the next submissions: what calibration times as one step)."""
     from vllm import SamplingParams
 
     experiment, spec = run.experiment, run.spec
@@ -109,6 +111,7 @@ def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], 
 
     submit()
     while in_flight:
+        step_started = time.perf_counter()
         outputs = engine.step()
         num_iterations += 1
         now_s = time.perf_counter() - started
@@ -127,6 +130,8 @@ def replay(llm, run: Run, requests: Sequence[Request], on_done: Callable[[int], 
                     on_done(requests[int(output.request_id)].num_output_tokens)
         recorder.sample(now_s, len(scheduler.vtoken.requests), held_memory(scheduler))
         submit()
+        if on_step is not None:
+            on_step(time.perf_counter() - step_started)
     return RunResult.from_recording(
         recorder, scheduler.vtoken.counters, variant=spec.variant,
         policy=experiment.eviction.policy if spec.evicts else "none", num_requests=len(requests),
