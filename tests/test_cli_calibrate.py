@@ -75,7 +75,8 @@ def test_validate_json_is_the_library_result(setup):
                                  "--eviction-interval", "8", "--rounds", "2", "--json"])
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
-    assert list(printed) == ["variants"] and list(printed["variants"]) == list(VALIDATED_VARIANTS)
+    assert list(printed) == ["variants", "steps"] and list(printed["variants"]) == list(VALIDATED_VARIANTS)
+    assert printed["steps"] == {"native": {}}  # the hf replay records no steps
     # the simulated side is deterministic: the library replays the same config to the same figures
     requests = load_trace(trace).requests
     experiment = make_replayer("hf", model=str(model_dir)).resolve(experiment_of(), requests, 2)
