@@ -92,16 +92,17 @@ def load_trace(
     characters per token. Raises TraceError for any unreadable file or value.
     """
     from vtoken import trace_readers as readers  # the readers import Request from here
+    from vtoken.trace_parse import Options, check_options, read_text
 
     source = str(path)
-    readers.check_options(format, time_unit, max_requests)
-    text = readers.read_text(source)
+    check_options(format, time_unit, max_requests)
+    text = read_text(source)
     fmt = detect_format(text) if format == "auto" else format
     if time_unit is not None and fmt not in readers.DEFAULT_TIME_UNIT:
         raise TraceError(f"{source}: a time unit (--time-unit) applies only to jsonl and mooncake timestamps, "
                          f"not to {fmt}, got {time_unit!r}")
-    options = readers.Options(source, time_unit or readers.DEFAULT_TIME_UNIT.get(fmt, "s"), time_unit is None,
-                       max_requests, tokenizer)
+    options = Options(source, time_unit or readers.DEFAULT_TIME_UNIT.get(fmt, "s"), time_unit is None,
+                      max_requests, tokenizer)
     parsed = readers.READERS[fmt](text, options)
     requests = parsed.requests[:max_requests]
     if not requests:

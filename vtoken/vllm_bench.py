@@ -109,7 +109,7 @@ class BenchResult:
 def load_bench_result(path: str) -> BenchResult:
     """Read a `vllm bench serve --save-result --save-detailed` JSON file. Raises TraceError,
     naming the file and the field, for anything else."""
-    from vtoken.trace_readers import read_text
+    from vtoken.trace_parse import read_text
 
     source = str(path)
     return parse_bench_result(read_text(source), source)
@@ -162,10 +162,10 @@ def parse_bench_result(text: str, source: str) -> BenchResult:
 
 def read_bench_trace(text: str, options: Any):
     """The trace reader of format "vllm-bench" (vtoken.trace_readers.READERS)."""
-    from vtoken.trace_readers import _Parsed
+    from vtoken.trace_parse import Parsed
 
     result = parse_bench_result(text, options.source)
-    return _Parsed(result.trace_requests(), list(result.notes))
+    return Parsed(result.trace_requests(), list(result.notes))
 
 
 def is_bench_result(text: str) -> bool:
