@@ -2,7 +2,7 @@
 TRACE --open-loop --no-sweep --no-frontier --variants V` replays (default model, GPU and block
 budget, H2O at 50%). Host seconds, not a test.
 
-    python benchmarks/bench_variants.py [--azure PATH] [--rounds 2] [--max-requests N]
+    python benchmarks/bench_variants.py [--azure PATH] [--rounds 2] [--max-requests N] [--eviction-interval T]
 
 The trace is read once; a short replay of every variant warms up (imports, first allocations)
 and is not counted; then each round replays every variant, the order reversed every other
@@ -22,6 +22,7 @@ from pathlib import Path
 from vtoken import defaults
 from vtoken.compare import variant_to_json
 from vtoken.engine import VARIANTS, Experiment, run_sim
+from vtoken.engine.experiment import EvictionConfig
 from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
 from vtoken.model_spec import resolve_model
 from vtoken.trace import load_trace, within_context
@@ -37,14 +38,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-requests", type=int, default=None, help="only the first N requests (a quick check)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--eviction-interval", type=int, default=defaults.EVICTION_INTERVAL_TOKENS,
+                        help="the policy runs every T generated tokens (1: every request evicts every step)")
     args = parser.parse_args()
     model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
     num_blocks = num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE)
     trace = within_context(load_trace(args.azure, max_requests=args.max_requests), model.max_model_len)
     requests = trace.requests
     variants = args.variants.split(",")
-    experiment = Experiment(model, gpu, num_blocks)
+    experiment = Experiment(model, gpu, num_blocks,
+                            eviction=EvictionConfig(interval_tokens=args.eviction_interval))
     print(f"{len(requests)} requests, open loop, {model.name} on {gpu.name}, {num_blocks} blocks, "
+          f"eviction every {args.eviction_interval} tokens, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start", flush=True)
     for variant in variants:
         run_sim(experiment.run(variant, None), requests[:NUM_WARMUP_REQUESTS])
