@@ -61,6 +61,21 @@ def test_calibrate_writes_a_profile_the_sim_reads(setup):
 
 
 @pytest.mark.slow
+def test_the_decode_grid_is_the_flags(setup):
+    root, _, model_dir = setup
+    output = root / "wide.toml"
+    result = runner.invoke(app, ["calibrate", "--executor", "hf", "--model", str(model_dir), "--quick", "--rounds", "1",
+                                 "--decode-batch-sizes", "1,3", "--decode-contexts", "24", "--output", str(output),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    grid = load_calibration(output).grid
+    assert (grid.decode_batch_sizes, grid.decode_context_tokens) == ((1, 3), (24,))
+    # the timed decode steps are those batches (the mixed scenario adds its own decodes)
+    batches = {s["num_decoding_requests"] for s in json.loads(result.stdout)["steps"] if s["kind"] == "decode"}
+    assert 3 in batches and max(batches) <= max(3, *grid.mixed_batch_sizes)
+
+
+@pytest.mark.slow
 def test_validate_json_is_the_library_result(setup):
     root, trace, model_dir = setup
     profile_path = root / "truth.toml"

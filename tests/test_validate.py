@@ -208,3 +208,22 @@ def test_the_report_renders_the_figures_and_the_step_check(requests):
     rows = [line.strip("│ ").split()[0] for line in text.splitlines()
             if line.startswith("│ ") and line.split()[1] in ("decode", "prefill", "mixed", "all")]
     assert rows == ["decode", "prefill", "mixed", "all"]
+
+
+def test_a_note_says_when_the_engine_ran_past_the_grid(requests):
+    from vtoken.validate import extrapolation_notes
+
+    report = run_validate(requests, SimEngine(TRUE), num_rounds=1)  # C = 2: at most 2 decodes a step
+    assert len(report.notes) == 1  # no grid given: the naive-evict note only
+    engine = SimEngine(TRUE)
+    engine.replay(replace(experiment_of(), num_blocks=40).run("native", 2), requests)
+    assert extrapolation_notes("vllm", engine.recorded_steps, CalibrationGrid(decode_batch_sizes=(2,),
+                                                                              mixed_batch_sizes=(2,))) == []
+    narrow = CalibrationGrid(decode_batch_sizes=(1,), mixed_batch_sizes=(1,))
+    assert extrapolation_notes("vllm", engine.recorded_steps, narrow) == [
+        "vllm ran steps of up to 2 decodes; the profile's grid went to 1, so the fit extrapolates past it: "
+        "calibrate with --decode-batch-sizes up to 2"]
+    experiment = replace(experiment_of(), num_blocks=40)
+    with_grid = validate("t.jsonl", requests, experiment, 2, SimProfile(sync_copy=True, step_model=TRUE),
+                         SimEngine(TRUE), num_rounds=1, grid=narrow)
+    assert with_grid.notes[1:] == tuple(extrapolation_notes("vllm", engine.recorded_steps, narrow))

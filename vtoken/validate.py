@@ -35,6 +35,7 @@ from typing import Protocol
 
 from vtoken import defaults
 from vtoken.calibration.fit import STEP_KINDS, MeasuredStep
+from vtoken.calibration.grid import CalibrationGrid
 from vtoken.calibration.model import StepTimeModel
 from vtoken.engine.experiment import Experiment, Run
 from vtoken.engine.sim import SimProfile
@@ -120,8 +121,10 @@ def figure_of(result: RunResult, figure: str) -> float:
 
 def validate(source: str, requests: Sequence[Request], experiment: Experiment, concurrency: int | None,
              profile: SimProfile, engine: MeasuredEngine, num_rounds: int = 3,
-             on_run: OnRun | None = None) -> ValidationReport:
-    """Measure on `engine` (warm-up, then rounds alternating variants) and simulate with `profile`."""
+             on_run: OnRun | None = None, grid: CalibrationGrid | None = None) -> ValidationReport:
+    """Measure on `engine` (warm-up, then rounds alternating variants) and simulate with `profile`.
+    `grid`: what the profile was calibrated on; a note says when the engine ran larger decode
+    batches than it held (the fit extrapolates there)."""
     if profile.step_model is None:
         raise ConfigError("validate needs a calibrated sim profile (one with [sim.step_model]); "
                           "write one with vtoken calibrate")
@@ -130,8 +133,9 @@ def validate(source: str, requests: Sequence[Request], experiment: Experiment, c
     simulated = simulate(replace(experiment, sim=profile, num_blocks=experiment.num_blocks - engine.null_blocks),
                          requests, concurrency)
     checks = {v: {f: check(measured.results[v], simulated[v], f) for f in FIGURES} for v in VALIDATED_VARIANTS}
+    notes = (NAIVE_EVICT_NOTE, *extrapolation_notes(engine.name, steps, grid))
     return ValidationReport(source, engine.name, experiment, concurrency, profile.describe_step_times(),
-                            measured.record, checks, measured.results, simulated, (NAIVE_EVICT_NOTE,),
+                            measured.record, checks, measured.results, simulated, notes,
                             step_checks(profile.step_model, steps))
 
 
@@ -163,6 +167,18 @@ def step_checks(model: StepTimeModel, steps: Sequence[MeasuredStep]) -> dict[str
     return {kind: StepCheck(len(of_kind), sum(s.measured_s for s in of_kind) / len(of_kind),
                             sum(model.forward_time_s(s.load) for s in of_kind) / len(of_kind))
             for kind, of_kind in by_kind.items()}
+
+
+def extrapolation_notes(engine_name: str, steps: Sequence[MeasuredStep], grid: CalibrationGrid | None) -> list[str]:
+    """A note when the engine's steps had more decodes than any step of the calibration grid."""
+    if grid is None or not steps:
+        return []
+    largest = max(s.load.num_decoding_requests for s in steps)
+    calibrated = max(*grid.decode_batch_sizes, *grid.mixed_batch_sizes)
+    if largest <= calibrated:
+        return []
+    return [f"{engine_name} ran steps of up to {largest} decodes; the profile's grid went to {calibrated}, so the "
+            f"fit extrapolates past it: calibrate with --decode-batch-sizes up to {largest}"]
 
 
 def warmup_requests(requests: Sequence[Request], concurrency: int | None) -> list[Request]:

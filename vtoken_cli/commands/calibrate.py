@@ -15,7 +15,7 @@ from vtoken.calibration.grid import QUICK_GRID, CalibrationGrid
 from vtoken.calibration.profile import profile_to_toml
 from vtoken.errors import ConfigError
 from vtoken_cli.console import stderr, stdout
-from vtoken_cli.options import Force, JsonOut
+from vtoken_cli.options import Force, JsonOut, parse_int_list
 from vtoken_cli.render.calibrate import calibration_report
 
 
@@ -28,6 +28,12 @@ def calibrate_command(
     rounds: Annotated[int, typer.Option(help="Rounds over the grid: each point is timed this many times.")] = CalibrationGrid.num_rounds,
     quick: Annotated[bool, typer.Option(help="A grid of the smallest points only (short contexts and prompts): "
                                              "checks that the engine calibrates in seconds; the fit is coarse.")] = False,
+    decode_batch_sizes: Annotated[Optional[str], typer.Option(
+        help="Decode batch sizes of the grid, comma-separated (default 1,4,8; --quick 1,4). Cover the "
+             "concurrency you validate and deploy at: past the largest, the fit extrapolates.")] = None,
+    decode_contexts: Annotated[Optional[str], typer.Option(
+        help="Context lengths of the decode points in tokens, comma-separated (default 64,512; --quick "
+             "32,128).")] = None,
     force: Force = False,
     json_out: JsonOut = False,
 ) -> None:
@@ -41,6 +47,7 @@ def calibrate_command(
     Examples
       vtoken calibrate --executor vllm --model smollm2-135m --output smollm2-vllm.toml
       vtoken calibrate --executor hf --model smollm2-135m --rounds 2
+      vtoken calibrate --executor vllm --model smollm2-135m --decode-batch-sizes 1,8,16,32
 
     \b
     Exit codes
@@ -54,7 +61,11 @@ def calibrate_command(
         raise ConfigError(f"--rounds must be > 0, got {rounds}")
     paths = _output_paths(output, force) if output is not None else None
     grid = QUICK_GRID if quick else CalibrationGrid()
-    report = calibrate(executor, model, replace(grid, num_rounds=rounds),
+    overrides = {"decode_batch_sizes": (decode_batch_sizes, "--decode-batch-sizes"),
+                 "decode_context_tokens": (decode_contexts, "--decode-contexts")}
+    grid = replace(grid, num_rounds=rounds, **{field: parse_int_list(text, flag)
+                                               for field, (text, flag) in overrides.items() if text is not None})
+    report = calibrate(executor, model, grid,
                        on_status=lambda message: stderr.print(message, highlight=False, markup=False))
     text = profile_to_toml(report.profile)
     if paths is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,6 +11,7 @@ import typer
 
 from vtoken import defaults
 from vtoken.calibration.engines import MEASURED_EXECUTORS, open_engine
+from vtoken.calibration.profile import load_calibration
 from vtoken.engine.sim import load_sim_profile
 from vtoken.errors import ConfigError
 from vtoken.trace import load_trace, within_context
@@ -84,6 +86,8 @@ def validate_command(
     if profile.step_model is None:
         raise ConfigError(f"--sim-profile {sim_profile}: not calibrated (no [sim.step_model]); "
                           "write one with vtoken calibrate")
+    # a profile from calibrate records its grid (a hand-written step model has none)
+    grid = load_calibration(sim_profile).grid if "calibration" in tomllib.loads(sim_profile.read_text()) else None
     provenance = profile.step_model.provenance
     if provenance is not None and provenance.engine != executor:
         raise ConfigError(f"--sim-profile {sim_profile}: calibrated against {provenance.engine}, not --executor "
@@ -103,7 +107,8 @@ def validate_command(
     with open_engine(executor, model, experiment, loaded.requests, concurrency, num_blocks,
                      on_status=say) as (engine, experiment):
         loaded = within_context(loaded, experiment.model.max_model_len)
-        report = validate(str(trace), loaded.requests, experiment, concurrency, profile, engine, rounds, on_run=say)
+        report = validate(str(trace), loaded.requests, experiment, concurrency, profile, engine, rounds, on_run=say,
+                          grid=grid)
     if json_out:
         stdout.print_json(json.dumps(report_to_json(report)))
     else:
