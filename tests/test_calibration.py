@@ -164,3 +164,19 @@ def test_profile_errors_name_the_file(tmp_path):
     plain.write_text("mfu = 0.4\n")
     with pytest.raises(ConfigError, match="plain.toml: not a calibrated profile"):
         load_calibration(plain)
+
+
+def test_a_profile_s_grid_is_its_calibration_record(tmp_path):
+    from vtoken.calibration.profile import calibration_grid, profile_to_toml
+
+    profile = calibrated_profile()
+    path = tmp_path / "profile.toml"
+    path.write_text(profile_to_toml(profile))
+    assert calibration_grid(path) == profile.grid
+    hand_written = tmp_path / "hand.toml"
+    hand_written.write_text("[sim.step_model]\n" + "".join(f"{n} = 0.001\n" for n in FEATURES)
+                            + "per_copied_token_s = 0.0\n")
+    assert calibration_grid(hand_written) is None
+    path.write_text(profile_to_toml(profile).replace("[calibration.grid]", "[calibration.gridx]"))
+    with pytest.raises(ConfigError, match="incomplete or malformed"):
+        calibration_grid(path)

@@ -128,9 +128,13 @@ def test_the_step_check_is_the_model_on_the_engine_s_own_native_steps(requests):
 
 
 def test_an_engine_that_records_no_steps_gets_no_step_check(requests):
-    engine = SimEngine(TRUE)
-    engine.replay = lambda run, reqs, replay=engine.replay: (replay(run, reqs), setattr(engine, "recorded_steps", ()))[0]
-    assert run_validate(requests, engine, num_rounds=1).steps == {}
+    class Unrecorded(SimEngine):  # as the hf engine: it replays, but keeps no steps
+        def replay(self, run, requests):
+            result = super().replay(run, requests)
+            self.recorded_steps = ()
+            return result
+
+    assert run_validate(requests, Unrecorded(TRUE), num_rounds=1).steps == {}
 
 
 def test_the_measurement_is_run_rounds_warm_up_and_order(requests):

@@ -66,6 +66,14 @@ def load_calibration(path: str | Path) -> CalibrationProfile:
         raise ConfigError(f"{path}: [calibration] is incomplete or malformed: {exc}") from None
 
 
+def calibration_grid(path: str | Path) -> CalibrationGrid | None:
+    """The grid a profile was calibrated on; None for a profile without a [calibration] record
+    (a hand-written step model). A malformed record is a ConfigError, as in `load_calibration`."""
+    if "calibration" not in tomllib.loads(Path(path).read_text()):
+        return None
+    return load_calibration(path).grid
+
+
 def _dumps(document: dict) -> str:
     """TOML for nested tables of strings, booleans, numbers and lists of them; None values left out."""
     lines: list[str] = []

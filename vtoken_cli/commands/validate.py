@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +10,7 @@ import typer
 
 from vtoken import defaults
 from vtoken.calibration.engines import MEASURED_EXECUTORS, open_engine
-from vtoken.calibration.profile import load_calibration
+from vtoken.calibration.profile import calibration_grid
 from vtoken.engine.sim import load_sim_profile
 from vtoken.errors import ConfigError
 from vtoken.trace import load_trace, within_context
@@ -86,8 +85,7 @@ def validate_command(
     if profile.step_model is None:
         raise ConfigError(f"--sim-profile {sim_profile}: not calibrated (no [sim.step_model]); "
                           "write one with vtoken calibrate")
-    # a profile from calibrate records its grid (a hand-written step model has none)
-    grid = load_calibration(sim_profile).grid if "calibration" in tomllib.loads(sim_profile.read_text()) else None
+    grid = calibration_grid(sim_profile)
     provenance = profile.step_model.provenance
     if provenance is not None and provenance.engine != executor:
         raise ConfigError(f"--sim-profile {sim_profile}: calibrated against {provenance.engine}, not --executor "
