@@ -259,6 +259,40 @@ def test_a_plan_whose_copy_would_overwrite_or_free_the_wrong_slots_raises(rows, 
         check_plan(bad, table, pool, frozenset())
 
 
+@pytest.mark.parametrize(("rows", "match"), [
+    ([(8, 2, 0, 0, 1), (10, 2, 2, 0, 2)], "moves token 10, which is not live"),
+    ([(8, 2, 1, 0, 1), (9, 2, 0, 0, 2)], "moves token 8 from block 2 offset 1, which it does not occupy"),
+    ([(8, 2, 0, 0, 1), (8, 2, 0, 0, 2)], "moves unknown or repeated tokens"),
+    ([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2), (14, 3, 2, 1, 1)], "moves unknown or repeated tokens"),
+    ([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2), (4, 1, 0, 3, 2)], "moves token 4 out of block 1, which is not one of its sources"),
+])
+def test_a_plan_that_moves_tokens_other_than_its_sources_live_ones_raises(rows, match: str) -> None:
+    pool, table, plan = holey_setup()  # block 2: [8 9 . .], 10 and 11 evicted; 14 tokens
+    bad = replace(plan, moves=moves(rows))
+    with raises("I4", match):
+        check_plan(bad, table, pool, frozenset())
+
+
+def test_moves_checked_at_the_tables_version_are_not_checked_again_and_any_change_brings_the_check_back(monkeypatch) -> None:
+    pool, table, plan = holey_setup()
+    check_plan(plan, table, pool, frozenset())
+    checked_at = table.layout_version
+    table.evict_tokens(np.array([12]))  # the layout moved on since the check
+    stale = replace(plan.moves, src_offsets=plan.moves.src_offsets + 1)
+    with pytest.raises(VTokenError, match="names a source it does not occupy"):
+        table.apply_moves(stale, checked_at)
+    pool, table, plan = holey_setup()
+    check_plan(plan, table, pool, frozenset())
+
+    def second_check(self, moves) -> None:
+        raise AssertionError("checked twice")
+
+    monkeypatch.setattr(TokenTable, "_check_moves", second_check)
+    table.apply_moves(plan.moves, table.layout_version)
+    assert table.token_slots[[8, 9]].tolist() == [1, 2]
+    check_unique_mapping(pool, [table])
+
+
 def test_a_reverse_map_entry_that_disagrees_with_the_table_raises() -> None:
     pool, owner, sharer = shared_setup()
     slot = int(sharer.token_slots[10])

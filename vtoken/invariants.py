@@ -170,24 +170,19 @@ def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_re
     if plan.src_block_ids.size <= plan.dst_new_block_ids.size:
         fail(f"does not reduce the block count ({plan.src_block_ids.size} sources, {plan.dst_new_block_ids.size} new blocks)")
     held = np.asarray(table.held_block_ids, dtype=np.int64)
-    touched = np.unique(np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids)))
+    touched = np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids))  # repeats are harmless here
     shared = (pool.ref_counts[touched] > 1) & ~_isin(touched, plan.dst_new_block_ids)
     shared |= _isin(touched, held[: table.num_pinned_blocks])
     if shared.any():
-        block_id = int(touched[shared][0])
+        block_id = int(touched[shared].min())
         fail(f"touches shared prefix block {block_id}", block_id=block_id)
     not_held = plan.src_block_ids[~_isin(plan.src_block_ids, held)]
     if not_held.size:
         fail(f"frees block {int(not_held[0])} the request does not hold", block_id=int(not_held[0]))
     if held.size and table.tail_num_written < table.block_size and held[-1] in plan.src_block_ids:
         fail(f"frees the open tail block {int(held[-1])}, where new tokens are appended", block_id=int(held[-1]))
-    block_of_token = table.token_block_ids
-    in_src = _live_ids_in(table, pool, plan.src_block_ids, block_of_token)
-    if not np.array_equal(np.sort(plan.moves.token_ids), in_src):
-        missing = np.setdiff1d(in_src, plan.moves.token_ids)
-        token_id = int(missing[0]) if missing.size else int(plan.moves.token_ids[0])
-        fail(f"moves {plan.moves.num_moves} tokens but its sources hold {in_src.size} live ones", token_id=token_id)
-    _check_plan_destinations(plan, table, pool, held, block_of_token, fail)
+    _check_plan_tokens(plan, table, pool, fail)
+    _check_plan_destinations(plan, table, pool, held, fail)
 
 
 def _isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
@@ -199,27 +194,58 @@ def _isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
     return members[idx] == values
 
 
-def _live_ids_in(table: TokenTable, pool: BlockPool, block_ids: np.ndarray, block_of_token: np.ndarray) -> np.ndarray:
-    """Live tokens of `table` stored in `block_ids`, ascending: one pass over the table
-    (`block_of_token`: its token_block_ids)."""
+def _check_plan_tokens(plan: RelocationPlan, table: TokenTable, pool: BlockPool, fail) -> None:
+    """The plan moves every live token of its sources, each once, from where it sits: every
+    moved token is live in the table, at its move's source slot, in a source block, and as many
+    move as the pool counts live in the sources. O(moves), not O(tokens), by the pool's counts
+    and reverse map, which agree with the tables' (I2, checked on their own)."""
+    moves, block_size = plan.moves, table.block_size
+    token_ids = moves.token_ids
+    if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= table.num_tokens or not _is_distinct(token_ids)):
+        fail("moves unknown or repeated tokens")
+    not_live = ~table.live_mask[token_ids]
+    if not_live.any():
+        token_id = int(token_ids[not_live][0])
+        fail(f"moves token {token_id}, which is not live", token_id=token_id)
+    stale = table.token_slots[token_ids] != moves.src_slots(block_size)
+    if stale.any():
+        i = int(np.flatnonzero(stale)[0])
+        token_id, block_id, offset = int(token_ids[i]), int(moves.src_block_ids[i]), int(moves.src_offsets[i])
+        fail(f"moves token {token_id} from block {block_id} offset {offset}, which it does not occupy",
+             token_id=token_id, block_id=block_id, offset=offset)
+    outside = ~_isin(moves.src_block_ids, plan.src_block_ids)
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        fail(f"moves token {int(token_ids[i])} out of block {int(moves.src_block_ids[i])}, which is not one of its sources",
+             token_id=int(token_ids[i]), block_id=int(moves.src_block_ids[i]))
+    num_src_live = int(pool.live_counts[plan.src_block_ids].sum())
+    if num_src_live != token_ids.size:
+        missing = np.setdiff1d(_live_ids_in(table, pool, plan.src_block_ids), token_ids)
+        token_id = int(missing[0]) if missing.size else int(token_ids[0])
+        fail(f"moves {moves.num_moves} tokens but its sources hold {num_src_live} live ones", token_id=token_id)
+
+
+def _live_ids_in(table: TokenTable, pool: BlockPool, block_ids: np.ndarray) -> np.ndarray:
+    """Live tokens of `table` stored in `block_ids`, ascending: one pass over the table."""
     is_listed = np.zeros(pool.num_blocks, dtype=bool)
     is_listed[block_ids] = True
-    return np.flatnonzero(is_listed[block_of_token] & table.live_mask)
+    return np.flatnonzero(is_listed[table.token_block_ids] & table.live_mask)
 
 
-def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: BlockPool, held: np.ndarray,
-                             block_of_token: np.ndarray, fail) -> None:
+def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: BlockPool, held: np.ndarray, fail) -> None:
     """The copy writes every destination before `apply_moves` can object: each must be a free
-    slot of a block the request keeps, and no two moves may share one."""
+    slot of a block the request keeps, and no two moves may share one. A slot is free when the
+    pool's reverse map holds no token there, or one that this plan moves away."""
     block_size = table.block_size
     dst_block_ids = plan.moves.dst_block_ids
     outside = ~_isin(dst_block_ids, np.concatenate((held, plan.dst_new_block_ids))) | _isin(dst_block_ids, plan.src_block_ids)
     if outside.any():
         fail(f"moves into block {int(dst_block_ids[outside][0])}, which the request does not keep", block_id=int(dst_block_ids[outside][0]))
     dst_slots = plan.moves.dst_slots(block_size)
-    in_dst_blocks = _live_ids_in(table, pool, dst_block_ids, block_of_token)
-    staying = in_dst_blocks[~_isin(in_dst_blocks, plan.moves.token_ids)]
-    occupied = _isin(dst_slots, table.token_slots[staying])
+    occupant = pool.token_at[dst_slots]
+    occupied = occupant >= 0
+    if occupied.any():
+        occupied[occupied] = ~_isin(occupant[occupied], plan.moves.token_ids)
     if occupied.any() or not _is_distinct(dst_slots):
         i = int(np.flatnonzero(occupied)[0]) if occupied.any() else 0
         slot = int(dst_slots[i])

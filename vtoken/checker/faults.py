@@ -228,8 +228,8 @@ class _StaleSlotTable(TokenTable):
         self._fault = fault
         self._old_slot_of: dict[int, int] = {}  # token id -> its slot before the last relocation
 
-    def apply_moves(self, moves: Moves) -> None:
-        super().apply_moves(moves)
+    def apply_moves(self, moves: Moves, checked_at_version: int | None = None) -> None:
+        super().apply_moves(moves, checked_at_version)
         if moves.num_moves:
             self._old_slot_of = dict(zip(moves.token_ids.tolist(), moves.src_slots(self.block_size).tolist()))
             self._fault.num_injected += 1
@@ -296,8 +296,8 @@ class _DoubleMapTable(TokenTable):
         super().__init__(req_id, pool, capacity)
         self._fault = fault
 
-    def apply_moves(self, moves: Moves) -> None:
-        super().apply_moves(moves)
+    def apply_moves(self, moves: Moves, checked_at_version: int | None = None) -> None:
+        super().apply_moves(moves, checked_at_version)
         live = moves.token_ids[self.live_mask[moves.token_ids]]
         if live.size >= 2:
             first, last = int(live[0]), int(live[-1])

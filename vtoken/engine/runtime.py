@@ -79,13 +79,14 @@ class Runtime:
         self.observer = observer or NullObserver()
         self._is_observed = not isinstance(self.observer, NullObserver)  # else no event needs its arguments built
         self.recorder = Recorder(experiment.model.kv_bytes_per_token)
-        self.counters = RunCounters()
+        self._counts = RunCounters().as_dict()  # plain integers: an eviction counts at every due step
         self.now_s = 0.0
         self.num_iterations = 0
         self.num_decode_steps = 0
         self.num_generated_tokens = 0  # over every step, recomputation after a preemption included
         self._num_copied_tokens = 0
         self._busy_req_ids: frozenset[int] = frozenset()
+        self._checked_at_version: dict[int, int] = {}  # request -> its layout version when its plan in flight passed check_plan
         self.reclaim_work = {"lazy": ReclaimWork(), "pressure": ReclaimWork(), "layout": ReclaimWork()}  # by trigger
 
     # ---- the spine ---------------------------------------------------------------------------
@@ -115,6 +116,11 @@ class Runtime:
             return
         duration_s = self.execute(batch)
         self.postprocess(batch, duration_s)
+
+    @property
+    def counters(self) -> RunCounters:
+        """What the run has done to KV memory so far."""
+        return RunCounters(**self._counts)
 
     def recorder_completed(self) -> int:
         return len(self.recorder.latencies_s)
@@ -147,7 +153,7 @@ class Runtime:
         self._leave(state)
         if self.spec.evicts:
             self.eviction.on_preempt(state.eviction, state.table)
-        self.counters = self.counters.plus(preemptions=1)
+        self._counts["preemptions"] += 1
 
     def on_drop(self, state: ReqState) -> None:
         self._leave(state)
@@ -232,7 +238,8 @@ class Runtime:
     def _apply_eviction(self, state: ReqState, event: EvictionEvent) -> None:
         table = state.table
         emptied = table.evict_tokens(event.token_ids)
-        self.counters = self.counters.plus(tokens_evicted=int(event.token_ids.size), eviction_events=1)
+        self._counts["tokens_evicted"] += int(event.token_ids.size)
+        self._counts["eviction_events"] += 1
         if state.req_idx in self._busy_req_ids:
             return  # blocks of a request with a copy in flight are released when it lands
         table.release_blocks(emptied)
@@ -287,6 +294,7 @@ class Runtime:
             got = self.pool.allocate(plan.dst_new_block_ids.size)
             assert np.array_equal(got, plan.dst_new_block_ids), "allocation diverged from the planned destinations"
             table.adopt_blocks(got)
+            self._checked_at_version[plan.req_id] = table.layout_version
             self.copy_engine.launch(plan)
             self._num_copied_tokens += plan.num_tokens_moved
             busy = busy | {plan.req_id}
@@ -298,18 +306,21 @@ class Runtime:
     def _complete(self, plan: RelocationPlan) -> None:
         """The copy landed: repoint the moved tokens and free every block left empty."""
         self._busy_req_ids = self._busy_req_ids - {plan.req_id}
+        checked_at_version = self._checked_at_version.pop(plan.req_id, None)
         state = next((s for s in self.scheduler.running if s.req_idx == plan.req_id), None)
         if state is None:  # finished or preempted while the copy was in flight
             return
         table = state.table
         live_before = table.live_token_ids() if self._is_observed else None
-        table.apply_moves(plan.moves)
+        table.apply_moves(plan.moves, checked_at_version)
         held = table.held_block_ids[table.num_pinned_blocks :]
         emptied = held[self.pool.live_counts[held] == 0]
         table.release_blocks(emptied)
         self.pool.free(emptied)
-        self.counters = self.counters.plus(tokens_moved=plan.num_tokens_moved, blocks_reclaimed=plan.num_blocks_freed,
-                                           relocation_events=1)
+        counts = self._counts
+        counts["tokens_moved"] += plan.num_tokens_moved
+        counts["blocks_reclaimed"] += plan.num_blocks_freed
+        counts["relocation_events"] += 1
         self.observer.on_plan_completed(plan, table, live_before)
 
     def _leave(self, state: ReqState) -> None:
@@ -317,6 +328,7 @@ class Runtime:
         if state.req_idx in self._busy_req_ids:
             self.copy_engine.cancel(state.req_idx)
             self._busy_req_ids = self._busy_req_ids - {state.req_idx}
+            self._checked_at_version.pop(state.req_idx, None)
 
     # ---- result ------------------------------------------------------------------------------
 

@@ -33,17 +33,22 @@ class RelocationVerbs:
             self._tail_slot, self.tail_num_written = tail_slot, cursor
         self.layout_version += 1
 
-    def apply_moves(self, moves: Moves) -> None:
+    def apply_moves(self, moves: Moves, checked_at_version: int | None = None) -> None:
         """Repoint moved tokens to their destination slots. Only after their copy completed.
 
         Every move's source must be the token's current slot and no destination may hold a live
         token that stays; otherwise nothing changes and VTokenError is raised. A token evicted
         while its copy was in flight is repointed without live-count changes.
+
+        `checked_at_version`: the table's `layout_version` when the caller checked these moves
+        against it (`invariants.check_plan` checks all of the above); while the table is still
+        at that version nothing they depend on changed, and the check is not repeated.
         """
         if moves.num_moves == 0:
             return
         self.flush()
-        self._check_moves(moves)
+        if checked_at_version != self.layout_version:
+            self._check_moves(moves)
         ids = moves.token_ids
         src_slots, dst_slots = moves.src_slots(self.block_size), moves.dst_slots(self.block_size)
         live = self._live[ids]
@@ -91,17 +96,16 @@ class RelocationVerbs:
         released = np.asarray(block_ids, dtype=np.int64).ravel()
         if released.size == 0:
             return
-        if not is_distinct(released):
-            released = np.unique(released)
         self.flush()
         held = self._held[: self._num_held]
-        positions = positions_in(held, released)
-        if np.any(positions < 0):
-            raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {sorted(released[positions < 0].tolist())}")
-        if self.live_ids_in(released).size:
+        released = np.unique(released)
+        is_released = _isin(held, released)
+        if np.count_nonzero(is_released) != released.size:
+            raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {np.setdiff1d(released, held).tolist()}")
+        if self.pool.live_counts[released].any():  # the pool counts what the tables hold (I2)
             raise VTokenError(f"request {self.req_id}: releasing blocks that still hold live tokens")
-        tail_released = bool(np.any(positions == self._num_held - 1))
-        kept = np.delete(held, positions)
+        tail_released = bool(is_released[-1])
+        kept = held[~is_released]
         self._num_held = kept.size
         self._held[: kept.size] = kept
         if tail_released:
@@ -146,3 +150,9 @@ class RelocationVerbs:
         self._tail_slot = 0
         self.layout_version += 1
         return block_ids
+
+
+def _isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """`np.isin(values, members)` for `members` sorted and distinct, by binary search."""
+    idx = np.minimum(np.searchsorted(members, values), members.size - 1)
+    return members[idx] == values
