@@ -19,6 +19,7 @@ from vtoken.kv.reclaim import (
     most_reclaimable_first,
     movable_block_ids,
     num_reclaimable_blocks,
+    num_uncompacted_blocks,
     plan_hole_fill,
     plan_ordered,
 )
@@ -406,3 +407,16 @@ def test_plan_to_free_stops_at_the_shortfall() -> None:
 def test_bad_pressure_reserve_raises() -> None:
     with pytest.raises(ConfigError, match="pressure reserve must be >= 0 blocks, got -1"):
         ReclaimConfig(pressure_reserve_blocks=-1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=0, max_size=6 * S))
+def test_uncompacted_blocks_are_the_logical_blocks_with_a_live_token_and_the_one_being_written(live: list[bool]) -> None:
+    pool = BlockPool(32, S)
+    table = TokenTable(0, pool)
+    table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(len(live))), len(live))
+    dead = [i for i, is_live in enumerate(live) if not is_live]
+    if dead:
+        table.evict_tokens(np.array(dead))
+    logical = {i // S for i, is_live in enumerate(live) if is_live} | ({(len(live) - 1) // S} if live else set())
+    assert num_uncompacted_blocks(table) == len(logical)

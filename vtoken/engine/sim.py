@@ -216,7 +216,8 @@ class SimExecutor:
         self._compute_rate = gpu.bf16_flop_per_s * profile.mfu
         # QK^T and PV: 2 x head_dim FLOPs each per (query, key) pair, per head and layer
         self._attention_flops_per_pair = 4 * model.num_layers * model.num_attention_heads * model.head_dim
-        self._importance: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # request -> (w_j, max_age_j)
+        self._importance: dict[int, np.ndarray] = {}  # request -> w_j
+        self._max_ages: dict[int, np.ndarray] = {}  # request -> max_age_j, for the policies that count
         self._recency_tables = (np.zeros(0), np.zeros(0))
 
     # ---- cost model ----------------------------------------------------------------------
@@ -261,23 +262,32 @@ class SimExecutor:
 
     def importance(self, req_idx: int, num_tokens: int) -> np.ndarray:
         """w_j for j < num_tokens: a fixed stream per request, extended as it grows."""
-        return self._weights(req_idx, num_tokens)[0][:num_tokens]
+        return self._weights(req_idx, num_tokens)[:num_tokens]
 
-    def _weights(self, req_idx: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """(w_j, max_age_j) for at least `num_tokens` tokens: max_age_j is the largest query
-        distance at which a(q, j) >= theta, a function of w_j alone, so it is kept with it."""
-        entry = self._importance.get(req_idx)
-        if entry is None or entry[0].size < num_tokens:
+    def _weights(self, req_idx: int, num_tokens: int) -> np.ndarray:
+        """w_j for at least `num_tokens` tokens."""
+        weights = self._importance.get(req_idx)
+        if weights is None or weights.size < num_tokens:
             p = self.profile
             # twice the length asked for: the stream's first values do not depend on how many
             # are drawn, so drawing ahead only saves regenerating it as the request grows
-            capacity = max(2 * num_tokens, 2 * (entry[0].size if entry is not None else 256))
+            capacity = max(2 * num_tokens, 2 * (weights.size if weights is not None else 256))
             rng = np.random.default_rng([self.seed, req_idx])
             weights = rng.pareto(p.pareto_alpha, capacity) + 1.0
             weights[: p.num_sink_tokens] *= p.sink_boost
+            self._importance[req_idx] = weights
+            self._max_ages.pop(req_idx, None)
+        return weights
+
+    def _max_age(self, req_idx: int, weights: np.ndarray) -> np.ndarray:
+        """max_age_j, the largest query distance at which a(q, j) >= theta: a function of w_j
+        alone, computed once per draw of the weights, and only for a policy that counts."""
+        max_age = self._max_ages.get(req_idx)
+        if max_age is None:
+            p = self.profile
             max_age = np.floor(p.recency_tau * ((weights / p.importance_threshold) ** (1.0 / p.recency_beta) - 1.0))
-            entry = self._importance[req_idx] = (weights, max_age)
-        return entry
+            self._max_ages[req_idx] = max_age
+        return max_age
 
     def _recency(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(r(d), sum_{d'<=d} r(d')) for every age d < num_tokens, one table for every request
@@ -292,23 +302,24 @@ class SimExecutor:
 
     def forget(self, req_idx: int) -> None:
         self._importance.pop(req_idx, None)
+        self._max_ages.pop(req_idx, None)
 
     def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int,
                         fields: tuple[str, ...] = SCORE_FIELDS) -> TokenScores:
         """(attention_sum, attention_last, importance_count) of `token_ids` at length `num_tokens`;
         None for those not in `fields`."""
         p = self.profile
-        weights, max_ages = self._weights(req_idx, num_tokens)
+        weights = self._weights(req_idx, num_tokens)
         w = weights[token_ids]
-        age = num_tokens - 1 - token_ids
         recency, cumulative_recency = self._recency(num_tokens)
-        attention_sum = w * cumulative_recency[age] if "attention_sum" in fields else None
-        attention_last = w * recency[age] if "attention_last" in fields else None
+        # by age = num_tokens - 1 - token_id: the tables read backwards from that length, as views
+        attention_sum = w * cumulative_recency[num_tokens - 1 :: -1][token_ids] if "attention_sum" in fields else None
+        attention_last = w * recency[num_tokens - 1 :: -1][token_ids] if "attention_last" in fields else None
         importance_count = None
         if "importance_count" in fields:
             # a(q, j) >= theta  <=>  q - j <= max_age_j ; count the window's queries within that age
             first_query = max(0, num_tokens - p.importance_window)
-            last_important = np.minimum(token_ids + max_ages[token_ids], num_tokens - 1)
+            last_important = np.minimum(token_ids + self._max_age(req_idx, weights)[token_ids], num_tokens - 1)
             importance_count = np.clip(last_important - np.maximum(token_ids, first_query) + 1, 0,
                                        p.importance_window).astype(np.int32)
         return attention_sum, attention_last, importance_count

@@ -244,11 +244,11 @@ def num_uncompacted_blocks(table: TokenTable) -> int:
         token ids:  [0..S) [S..2S) [2S..3S) [3S..4S)      live ids 1, 2S+3, 3S+1 (writing)
         held:        yes    no      yes      yes           -> 3 blocks
     """
-    logical = table.live_token_ids() // table.block_size  # ascending: count where it steps
-    num_blocks = int(np.count_nonzero(logical[1:] != logical[:-1])) + 1 if logical.size else 0
-    if table.num_tokens and (not logical.size or logical[-1] != (table.num_tokens - 1) // table.block_size):
-        num_blocks += 1
-    return num_blocks
+    if not table.num_tokens:
+        return 0
+    num_before_writing = (table.num_tokens - 1) // table.block_size  # the block being written counts, live or not
+    live = table.live_mask[: num_before_writing * table.block_size].reshape(num_before_writing, table.block_size)
+    return int(np.count_nonzero(live.any(axis=1))) + 1
 
 
 def movable_block_ids(table: TokenTable) -> np.ndarray:

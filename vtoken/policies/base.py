@@ -166,9 +166,10 @@ def unprotected_range(view: RequestView) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def num_victims(view: RequestView) -> int:
-    """How many tokens to evict: down to the budget, but never a protected token."""
-    lo, hi = unprotected_range(view)
+def num_victims(view: RequestView, unprotected: tuple[int, int] | None = None) -> int:
+    """How many tokens to evict: down to the budget, but never a protected token
+    (`unprotected`: `unprotected_range(view)`, when the caller has it)."""
+    lo, hi = unprotected or unprotected_range(view)
     num_tokens = len(view.token_ids)
     return max(0, num_tokens - max(view.num_keep_tokens, num_tokens - (hi - lo)))
 
@@ -179,10 +180,10 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     `scores` is aligned with view.token_ids. Because token_ids ascend, the unprotected ids are
     one slice of them, and a stable selection over it breaks equal scores toward the older token.
     """
-    num_evict = num_victims(view)
+    lo, hi = unprotected_range(view)
+    num_evict = num_victims(view, (lo, hi))
     if num_evict == 0:
         return np.zeros(0, dtype=np.int64)
-    lo, hi = unprotected_range(view)
     candidate_scores = scores[lo:hi]
     # O(n) selection instead of a full sort: everything strictly below the k-th smallest score,
     # then as many of the ties at that score as still fit, oldest first (candidates ascend).
