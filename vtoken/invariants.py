@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vtoken.errors import InvariantError
+from vtoken.kv.arrays import isin
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.reclaim import RelocationPlan
 from vtoken.kv.token_table import TokenTable
@@ -159,7 +160,7 @@ def check_visibility(req_id: int, read_slots: np.ndarray, in_flight: Iterable[Re
 
 def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_req_ids: frozenset[int]) -> None:
     """I4: the plan is safe to launch on the current state. Runs before every launch, so its
-    set tests are array lookups (`_isin`), not Python loops."""
+    set tests are array lookups (`isin`), not Python loops."""
     def fail(message: str, **where: int) -> None:
         raise InvariantError("I4", f"request {plan.req_id} plan: {message}", req_id=plan.req_id, **where)
 
@@ -171,27 +172,18 @@ def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_re
         fail(f"does not reduce the block count ({plan.src_block_ids.size} sources, {plan.dst_new_block_ids.size} new blocks)")
     held = np.asarray(table.held_block_ids, dtype=np.int64)
     touched = np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids))  # repeats are harmless here
-    shared = (pool.ref_counts[touched] > 1) & ~_isin(touched, plan.dst_new_block_ids)
-    shared |= _isin(touched, held[: table.num_pinned_blocks])
+    shared = (pool.ref_counts[touched] > 1) & ~isin(touched, plan.dst_new_block_ids)
+    shared |= isin(touched, held[: table.num_pinned_blocks])
     if shared.any():
         block_id = int(touched[shared].min())
         fail(f"touches shared prefix block {block_id}", block_id=block_id)
-    not_held = plan.src_block_ids[~_isin(plan.src_block_ids, held)]
+    not_held = plan.src_block_ids[~isin(plan.src_block_ids, held)]
     if not_held.size:
         fail(f"frees block {int(not_held[0])} the request does not hold", block_id=int(not_held[0]))
     if held.size and table.tail_num_written < table.block_size and held[-1] in plan.src_block_ids:
         fail(f"frees the open tail block {int(held[-1])}, where new tokens are appended", block_id=int(held[-1]))
     _check_plan_tokens(plan, table, pool, fail)
     _check_plan_destinations(plan, table, pool, held, fail)
-
-
-def _isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
-    """`np.isin(values, members)` for the short integer arrays of a plan, by binary search."""
-    if members.size == 0:
-        return np.zeros(values.shape, dtype=bool)
-    members = np.sort(members)
-    idx = np.minimum(np.searchsorted(members, values), members.size - 1)
-    return members[idx] == values
 
 
 def _check_plan_tokens(plan: RelocationPlan, table: TokenTable, pool: BlockPool, fail) -> None:
@@ -213,7 +205,7 @@ def _check_plan_tokens(plan: RelocationPlan, table: TokenTable, pool: BlockPool,
         token_id, block_id, offset = int(token_ids[i]), int(moves.src_block_ids[i]), int(moves.src_offsets[i])
         fail(f"moves token {token_id} from block {block_id} offset {offset}, which it does not occupy",
              token_id=token_id, block_id=block_id, offset=offset)
-    outside = ~_isin(moves.src_block_ids, plan.src_block_ids)
+    outside = ~isin(moves.src_block_ids, plan.src_block_ids)
     if outside.any():
         i = int(np.flatnonzero(outside)[0])
         fail(f"moves token {int(token_ids[i])} out of block {int(moves.src_block_ids[i])}, which is not one of its sources",
@@ -238,14 +230,14 @@ def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: Bloc
     pool's reverse map holds no token there, or one that this plan moves away."""
     block_size = table.block_size
     dst_block_ids = plan.moves.dst_block_ids
-    outside = ~_isin(dst_block_ids, np.concatenate((held, plan.dst_new_block_ids))) | _isin(dst_block_ids, plan.src_block_ids)
+    outside = ~isin(dst_block_ids, np.concatenate((held, plan.dst_new_block_ids))) | isin(dst_block_ids, plan.src_block_ids)
     if outside.any():
         fail(f"moves into block {int(dst_block_ids[outside][0])}, which the request does not keep", block_id=int(dst_block_ids[outside][0]))
     dst_slots = plan.moves.dst_slots(block_size)
     occupant = pool.token_at[dst_slots]
     occupied = occupant >= 0
     if occupied.any():
-        occupied[occupied] = ~_isin(occupant[occupied], plan.moves.token_ids)
+        occupied[occupied] = ~isin(occupant[occupied], plan.moves.token_ids)
     if occupied.any() or not _is_distinct(dst_slots):
         i = int(np.flatnonzero(occupied)[0]) if occupied.any() else 0
         slot = int(dst_slots[i])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import VTokenError
-from vtoken.kv.arrays import block_slots, is_distinct, positions_in, sum_by_block
+from vtoken.kv.arrays import block_slots, is_distinct, isin, positions_in, sum_by_block
 from vtoken.kv.moves import Moves
 
 
@@ -99,7 +99,7 @@ class RelocationVerbs:
         self.flush()
         held = self._held[: self._num_held]
         released = np.unique(released)
-        is_released = _isin(held, released)
+        is_released = isin(held, released)
         if np.count_nonzero(is_released) != released.size:
             raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {np.setdiff1d(released, held).tolist()}")
         if self.pool.live_counts[released].any():  # the pool counts what the tables hold (I2)
@@ -151,8 +151,3 @@ class RelocationVerbs:
         self.layout_version += 1
         return block_ids
 
-
-def _isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
-    """`np.isin(values, members)` for `members` sorted and distinct, by binary search."""
-    idx = np.minimum(np.searchsorted(members, values), members.size - 1)
-    return members[idx] == values

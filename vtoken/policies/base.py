@@ -166,10 +166,12 @@ def unprotected_range(view: RequestView) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def num_victims(view: RequestView, unprotected: tuple[int, int] | None = None) -> int:
-    """How many tokens to evict: down to the budget, but never a protected token
-    (`unprotected`: `unprotected_range(view)`, when the caller has it)."""
-    lo, hi = unprotected or unprotected_range(view)
+def num_victims(view: RequestView) -> int:
+    """How many tokens to evict: down to the budget, but never a protected token."""
+    return _num_victims(view, *unprotected_range(view))
+
+
+def _num_victims(view: RequestView, lo: int, hi: int) -> int:
     num_tokens = len(view.token_ids)
     return max(0, num_tokens - max(view.num_keep_tokens, num_tokens - (hi - lo)))
 
@@ -181,7 +183,7 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     one slice of them, and a stable selection over it breaks equal scores toward the older token.
     """
     lo, hi = unprotected_range(view)
-    num_evict = num_victims(view, (lo, hi))
+    num_evict = _num_victims(view, lo, hi)
     if num_evict == 0:
         return np.zeros(0, dtype=np.int64)
     candidate_scores = scores[lo:hi]
