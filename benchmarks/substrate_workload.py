@@ -187,23 +187,25 @@ class EvictingRun:
             self.num_blocks_freed_by_eviction += hit.size
 
     def reclaim(self) -> None:
-        """Plan, launch, complete; every source block of the round goes back in one free."""
+        """Plan, launch, complete, as the runtime does: the round's moves applied in one
+        `apply_moves_each` call (each table's checked there: this run has no check_plan) and
+        every source block of the round freed in one call."""
         plans = self.reclaimer.plan(self.tables)
         self.num_rounds += bool(plans)
         for plan in plans:
             self.by_id[plan.req_id].adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
             self.engine.launch(plan)
-        freed = []
-        for plan in self.engine.poll_completed():
-            table = self.by_id[plan.req_id]
-            table.apply_moves(plan.moves)
+        completed = self.engine.poll_completed()
+        if not completed:
+            return
+        tables = [self.by_id[plan.req_id] for plan in completed]
+        TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [None] * len(completed))
+        for plan, table in zip(completed, tables):
             table.release_blocks(plan.src_block_ids)
-            freed.append(plan.src_block_ids)
             self.num_tokens_moved += plan.num_tokens_moved
             self.num_blocks_freed_by_plans += plan.num_blocks_freed
             self.num_plans += 1
-        if freed:
-            self.pool.free(np.concatenate(freed))
+        self.pool.free(np.concatenate([plan.src_block_ids for plan in completed]))
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:
         """One decode step; returns seconds spent in growth, evict, reclaim and slots."""

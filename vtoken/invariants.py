@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vtoken.errors import InvariantError
-from vtoken.kv.arrays import isin
+from vtoken.kv.arrays import is_distinct, isin
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.reclaim import RelocationPlan
 from vtoken.kv.token_table import TokenTable
@@ -172,13 +172,17 @@ def check_plan(plan: RelocationPlan, table: TokenTable, pool: BlockPool, busy_re
         fail(f"does not reduce the block count ({plan.src_block_ids.size} sources, {plan.dst_new_block_ids.size} new blocks)")
     held = np.asarray(table.held_block_ids, dtype=np.int64)
     touched = np.concatenate((plan.src_block_ids, plan.moves.dst_block_ids))  # repeats are harmless here
-    shared = (pool.ref_counts[touched] > 1) & ~isin(touched, plan.dst_new_block_ids)
-    shared |= isin(touched, held[: table.num_pinned_blocks])
+    shared = pool.ref_counts[touched] > 1
+    if plan.dst_new_block_ids.size:
+        shared &= ~isin(touched, plan.dst_new_block_ids)
+    if table.num_pinned_blocks:
+        shared |= isin(touched, held[: table.num_pinned_blocks])
     if shared.any():
         block_id = int(touched[shared].min())
         fail(f"touches shared prefix block {block_id}", block_id=block_id)
-    not_held = plan.src_block_ids[~isin(plan.src_block_ids, held)]
-    if not_held.size:
+    is_held = isin(plan.src_block_ids, held)
+    if not is_held.all():
+        not_held = plan.src_block_ids[~is_held]
         fail(f"frees block {int(not_held[0])} the request does not hold", block_id=int(not_held[0]))
     if held.size and table.tail_num_written < table.block_size and held[-1] in plan.src_block_ids:
         fail(f"frees the open tail block {int(held[-1])}, where new tokens are appended", block_id=int(held[-1]))
@@ -193,11 +197,11 @@ def _check_plan_tokens(plan: RelocationPlan, table: TokenTable, pool: BlockPool,
     and reverse map, which agree with the tables' (I2, checked on their own)."""
     moves, block_size = plan.moves, table.block_size
     token_ids = moves.token_ids
-    if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= table.num_tokens or not _is_distinct(token_ids)):
+    if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= table.num_tokens or not is_distinct(token_ids)):
         fail("moves unknown or repeated tokens")
-    not_live = ~table.live_mask[token_ids]
-    if not_live.any():
-        token_id = int(token_ids[not_live][0])
+    is_live = table.live_mask[token_ids]
+    if not is_live.all():
+        token_id = int(token_ids[~is_live][0])
         fail(f"moves token {token_id}, which is not live", token_id=token_id)
     stale = table.token_slots[token_ids] != moves.src_slots(block_size)
     if stale.any():
@@ -205,9 +209,9 @@ def _check_plan_tokens(plan: RelocationPlan, table: TokenTable, pool: BlockPool,
         token_id, block_id, offset = int(token_ids[i]), int(moves.src_block_ids[i]), int(moves.src_offsets[i])
         fail(f"moves token {token_id} from block {block_id} offset {offset}, which it does not occupy",
              token_id=token_id, block_id=block_id, offset=offset)
-    outside = ~isin(moves.src_block_ids, plan.src_block_ids)
-    if outside.any():
-        i = int(np.flatnonzero(outside)[0])
+    inside = isin(moves.src_block_ids, plan.src_block_ids)
+    if not inside.all():
+        i = int(np.flatnonzero(~inside)[0])
         fail(f"moves token {int(token_ids[i])} out of block {int(moves.src_block_ids[i])}, which is not one of its sources",
              token_id=int(token_ids[i]), block_id=int(moves.src_block_ids[i]))
     num_src_live = int(pool.live_counts[plan.src_block_ids].sum())
@@ -230,7 +234,8 @@ def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: Bloc
     pool's reverse map holds no token there, or one that this plan moves away."""
     block_size = table.block_size
     dst_block_ids = plan.moves.dst_block_ids
-    outside = ~isin(dst_block_ids, np.concatenate((held, plan.dst_new_block_ids))) | isin(dst_block_ids, plan.src_block_ids)
+    kept = np.concatenate((held, plan.dst_new_block_ids)) if plan.dst_new_block_ids.size else held
+    outside = ~isin(dst_block_ids, kept) | isin(dst_block_ids, plan.src_block_ids)
     if outside.any():
         fail(f"moves into block {int(dst_block_ids[outside][0])}, which the request does not keep", block_id=int(dst_block_ids[outside][0]))
     dst_slots = plan.moves.dst_slots(block_size)
@@ -238,13 +243,8 @@ def _check_plan_destinations(plan: RelocationPlan, table: TokenTable, pool: Bloc
     occupied = occupant >= 0
     if occupied.any():
         occupied[occupied] = ~isin(occupant[occupied], plan.moves.token_ids)
-    if occupied.any() or not _is_distinct(dst_slots):
+    if occupied.any() or not is_distinct(dst_slots):
         i = int(np.flatnonzero(occupied)[0]) if occupied.any() else 0
         slot = int(dst_slots[i])
         fail(f"moves token {int(plan.moves.token_ids[i])} onto slot {slot} (block {slot // block_size}, offset {slot % block_size}), "
              "which is not free", token_id=int(plan.moves.token_ids[i]), block_id=slot // block_size, offset=slot % block_size)
-
-
-def _is_distinct(values: np.ndarray) -> bool:
-    ordered = np.sort(values)
-    return bool((ordered[1:] != ordered[:-1]).all())

@@ -39,7 +39,6 @@ from vtoken.checker.names import FAULT_DETECTED_BY, FAULT_KINDS  # noqa: F401  (
 from vtoken.errors import ConfigError
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.moves import Moves
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
 from vtoken.kv.token_table import TokenTable
 
@@ -120,9 +119,7 @@ class _SubstitutingCopyEngine(CopyEngineWrapper):
 
 def _with_moves(plan: RelocationPlan, kept: np.ndarray) -> RelocationPlan:
     """`plan` with only the moves at indices `kept`."""
-    m = plan.moves
-    moves = Moves(m.token_ids[kept], m.src_block_ids[kept], m.src_offsets[kept], m.dst_block_ids[kept], m.dst_offsets[kept])
-    return replace(plan, moves=moves)
+    return replace(plan, moves=plan.moves.select(kept))
 
 
 class _CopyAllButFirst:
@@ -228,10 +225,11 @@ class _StaleSlotTable(TokenTable):
         self._fault = fault
         self._old_slot_of: dict[int, int] = {}  # token id -> its slot before the last relocation
 
-    def apply_moves(self, moves: Moves, checked_at_version: int | None = None) -> None:
-        super().apply_moves(moves, checked_at_version)
-        if moves.num_moves:
-            self._old_slot_of = dict(zip(moves.token_ids.tolist(), moves.src_slots(self.block_size).tolist()))
+    def _repoint(self, token_ids: np.ndarray, dst_slots: np.ndarray, has_live: bool) -> None:
+        old_slots = self._slot[token_ids].tolist()
+        super()._repoint(token_ids, dst_slots, has_live)  # the last step of apply_moves
+        if token_ids.size:
+            self._old_slot_of = dict(zip(token_ids.tolist(), old_slots))
             self._fault.num_injected += 1
 
     def slots(self) -> np.ndarray:
@@ -296,9 +294,9 @@ class _DoubleMapTable(TokenTable):
         super().__init__(req_id, pool, capacity)
         self._fault = fault
 
-    def apply_moves(self, moves: Moves, checked_at_version: int | None = None) -> None:
-        super().apply_moves(moves, checked_at_version)
-        live = moves.token_ids[self.live_mask[moves.token_ids]]
+    def _repoint(self, token_ids: np.ndarray, dst_slots: np.ndarray, has_live: bool) -> None:
+        super()._repoint(token_ids, dst_slots, has_live)  # the last step of apply_moves
+        live = token_ids[self.live_mask[token_ids]]
         if live.size >= 2:
             first, last = int(live[0]), int(live[-1])
             self._slot[last] = self._slot[first]  # the table's own mapping, behind the pool's back

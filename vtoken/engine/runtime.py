@@ -104,8 +104,7 @@ class Runtime:
             if on_progress is not None and num_now > num_reported:
                 on_progress(num_now - num_reported)
                 num_reported = num_now
-        for plan in self.copy_engine.drain():
-            self._complete(plan)
+        self._complete(self.copy_engine.drain())
         if on_progress is not None and num_reported < num_total:
             on_progress(num_total - num_reported)
         return self._result(time.perf_counter() - started)
@@ -164,8 +163,7 @@ class Runtime:
     def execute(self, batch: Batch) -> float:
         """The forward: the executor runs (or costs) it after every in-flight copy it needs."""
         self.copy_engine.wait_before_forward()
-        for plan in self.copy_engine.poll_completed():
-            self._complete(plan)
+        self._complete(self.copy_engine.poll_completed())
         self.observer.on_forward(batch, self.copy_engine.in_flight_plans)
         load = StepLoad(
             num_kv_slots_read=batch.num_kv_slots_read,
@@ -300,28 +298,41 @@ class Runtime:
             busy = busy | {plan.req_id}
         self._busy_req_ids = busy
         if self.copy_engine.mode == "sync":  # other modes complete after the next forward at the earliest
-            for plan in self.copy_engine.poll_completed():
-                self._complete(plan)
+            self._complete(self.copy_engine.poll_completed())
 
-    def _complete(self, plan: RelocationPlan) -> None:
-        """The copy landed: repoint the moved tokens and free every block left empty."""
-        self._busy_req_ids = self._busy_req_ids - {plan.req_id}
-        checked_at_version = self._checked_at_version.pop(plan.req_id, None)
-        state = next((s for s in self.scheduler.running if s.req_idx == plan.req_id), None)
-        if state is None:  # finished or preempted while the copy was in flight
+    def _complete(self, plans: list[RelocationPlan]) -> None:
+        """Copies landed: repoint the moved tokens and free every block left empty, the pool's
+        side once for all the plans (a round's land together)."""
+        if not plans:
             return
-        table = state.table
-        live_before = table.live_token_ids() if self._is_observed else None
-        table.apply_moves(plan.moves, checked_at_version)
-        held = table.held_block_ids[table.num_pinned_blocks :]
-        emptied = held[self.pool.live_counts[held] == 0]
-        table.release_blocks(emptied)
-        self.pool.free(emptied)
+        running = {s.req_idx: s for s in self.scheduler.running}
+        landed, tables, versions = [], [], []
+        for plan in plans:
+            self._busy_req_ids = self._busy_req_ids - {plan.req_id}
+            checked_at_version = self._checked_at_version.pop(plan.req_id, None)
+            state = running.get(plan.req_id)
+            if state is not None:  # else it finished or was preempted while the copy was in flight
+                landed.append(plan)
+                tables.append(state.table)
+                versions.append(checked_at_version)
+        if not landed:
+            return
+        lives_before = [table.live_token_ids() for table in tables] if self._is_observed else [None] * len(tables)
+        TokenTable.apply_moves_each(tables, [plan.moves for plan in landed], versions)
+        emptied = []
+        live_counts = self.pool.live_counts
+        for table in tables:
+            held = table.held_block_ids[table.num_pinned_blocks :]
+            table_emptied = held[live_counts[held] == 0]
+            table.release_blocks(table_emptied)
+            emptied.append(table_emptied)
+        self.pool.free(np.concatenate(emptied))
         counts = self._counts
-        counts["tokens_moved"] += plan.num_tokens_moved
-        counts["blocks_reclaimed"] += plan.num_blocks_freed
-        counts["relocation_events"] += 1
-        self.observer.on_plan_completed(plan, table, live_before)
+        for plan, table, live_before in zip(landed, tables, lives_before):
+            counts["tokens_moved"] += plan.num_tokens_moved
+            counts["blocks_reclaimed"] += plan.num_blocks_freed
+            counts["relocation_events"] += 1
+            self.observer.on_plan_completed(plan, table, live_before)
 
     def _leave(self, state: ReqState) -> None:
         """A request gives up its blocks: its copies in flight must not land anywhere."""

@@ -11,10 +11,14 @@ def block_slots(block_ids: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def is_distinct(values: np.ndarray) -> bool:
-    """No value repeats (cheap when `values` ascends, as the planners' arrays do)."""
+    """No value repeats (cheap when `values` ascends, as the planners' arrays do; else a set
+    for a few dozen values, a sort for more)."""
     if values.size < 2 or (values[1:] > values[:-1]).all():
         return True
-    return len(set(values.tolist())) == values.size
+    if values.size <= 64:
+        return len(set(values.tolist())) == values.size
+    ordered = np.sort(values)
+    return bool((ordered[1:] != ordered[:-1]).all())
 
 
 def isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:

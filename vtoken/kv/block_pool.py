@@ -19,9 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.errors import ConfigError, VTokenError
-from vtoken.kv.arrays import block_slots, is_distinct
+from vtoken.kv.arrays import block_slots, count_by_block, is_distinct
 
 NUM_HISTOGRAM_BINS = 10
+NO_BLOCKS = np.zeros(0, dtype=np.int64)
+NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
 
 
 class BlockPool:
@@ -251,22 +253,27 @@ class BlockPool:
         self.num_live_tokens -= 1
         return old_count - 1
 
-    def remove_live_tokens(self, block_ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """`counts[i]` live tokens of `block_ids[i]` died (ids distinct): `remove_live_token` for
-        a batch eviction, by a caller that holds the blocks and knew the tokens live, so nothing
-        to check (nor any other table's deferred appends to count: those are in their own
-        tails). Returns the blocks' new live counts."""
-        if block_ids.size <= 32:  # Python integers: cheaper than the array path for a few blocks
-            new_list = []
-            for block_id, count in zip(block_ids.tolist(), counts.tolist()):
+    def remove_live_tokens_in(self, block_ids: np.ndarray) -> np.ndarray:
+        """One live token died in each of `block_ids` (a block repeats once per token it lost):
+        `remove_live_token` for a batch eviction, by a caller that holds the blocks and knew the
+        tokens live, so nothing to check (nor any other table's deferred appends to count: those
+        are in their own tails). Returns the blocks left without a live token, ascending."""
+        if block_ids.size <= 64:  # Python integers: cheaper than the array path for a few dozen
+            counts: dict[int, int] = {}
+            for block_id in block_ids.tolist():
+                counts[block_id] = counts.get(block_id, 0) + 1
+            emptied = []
+            for block_id, count in counts.items():
                 old_count = self._live_counts.item(block_id)
                 self._recount(block_id, old_count, old_count - count)
-                self.num_live_tokens -= count
-                new_list.append(old_count - count)
-            return np.array(new_list, dtype=np.int32)
-        new_counts = (self._live_counts[block_ids] - counts).astype(np.int32)
-        self._set_live(block_ids, new_counts)
-        return new_counts
+                if old_count == count:
+                    emptied.append(block_id)
+            self.num_live_tokens -= block_ids.size
+            return np.array(sorted(emptied), dtype=np.int64) if emptied else NO_BLOCKS
+        distinct, counts = count_by_block(block_ids)
+        new_counts = (self._live_counts[distinct] - counts).astype(np.int32)
+        self._set_live(distinct, new_counts)
+        return distinct[new_counts == 0]
 
     def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
         """Set one block's live count; its histogram bin and the <= 50% count follow."""

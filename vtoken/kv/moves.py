@@ -22,6 +22,11 @@ class Moves:
     def num_moves(self) -> int:
         return int(self.token_ids.size)
 
+    def select(self, which: np.ndarray) -> Moves:
+        """The moves that `which` picks: a mask, or indices."""
+        return Moves(self.token_ids[which], self.src_block_ids[which], self.src_offsets[which],
+                     self.dst_block_ids[which], self.dst_offsets[which])
+
     def src_slots(self, block_size: int) -> np.ndarray:
         return self.src_block_ids * block_size + self.src_offsets
 

@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vtoken.errors import VTokenError
-from vtoken.kv.arrays import count_by_block, is_distinct
+from vtoken.kv.arrays import is_distinct, isin
+from vtoken.kv.block_pool import NO_BLOCKS
 
 if TYPE_CHECKING:
     from vtoken.kv.token_table import TokenTable
 
-_NO_BLOCKS = np.zeros(0, dtype=np.int64)
-_NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
 
 
 class EvictionVerbs:
@@ -37,20 +36,19 @@ class EvictionVerbs:
             return self._evict_one(token_ids.item())
         token_ids = np.asarray(token_ids, dtype=np.int64)
         if token_ids.size == 0:
-            return _NO_BLOCKS
+            return NO_BLOCKS
         if token_ids.size == 1:
             return self._evict_one(int(token_ids.flat[0]))
         self._check_evictable(token_ids)
         self.flush()
         slots = self._slot[token_ids]
-        blocks, counts = count_by_block(slots // self.block_size)
-        new_counts = self.pool.remove_live_tokens(blocks, counts)
+        emptied = self.pool.remove_live_tokens_in(slots // self.block_size)
         self._token_at[slots] = -1
         self._live[token_ids] = False
         self._num_dead += token_ids.size
         self._cache.is_valid = False
         self.layout_version += 1
-        return blocks[new_counts == 0]
+        return emptied
 
     @staticmethod
     def evict_one_each(tables: Sequence[TokenTable], token_ids: np.ndarray) -> np.ndarray:
@@ -76,9 +74,10 @@ class EvictionVerbs:
         slot_array = np.array(slots, dtype=np.int64)
         tables[0]._token_at[slot_array] = -1  # the pool's reverse map, shared by its tables
         block_ids = slot_array // pool.block_size
-        distinct, counts = count_by_block(block_ids)
-        new_counts = pool.remove_live_tokens(distinct, counts)
-        return np.where(new_counts[np.searchsorted(distinct, block_ids)] == 0, block_ids, -1)
+        emptied = pool.remove_live_tokens_in(block_ids)
+        if not emptied.size:
+            return np.full(block_ids.size, -1, dtype=np.int64)
+        return np.where(isin(block_ids, emptied), block_ids, -1)
 
     def _evict_one(self, token_id: int) -> np.ndarray:
         """`evict_tokens` of a single id, with scalars only (same checks, same result)."""
@@ -87,7 +86,7 @@ class EvictionVerbs:
         self._token_at[slot] = -1
         block_id = slot // self.block_size
         if self.pool.remove_live_token(block_id):
-            return _NO_BLOCKS
+            return NO_BLOCKS
         return np.array([block_id], dtype=np.int64)
 
     def evictable_slot(self, token_id: int) -> int:

@@ -8,11 +8,17 @@ the mapping, and each checks its whole input before changing anything.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from vtoken.errors import VTokenError
 from vtoken.kv.arrays import block_slots, is_distinct, isin, positions_in, sum_by_block
 from vtoken.kv.moves import Moves
+
+if TYPE_CHECKING:
+    from vtoken.kv.token_table import TokenTable
 
 
 class RelocationVerbs:
@@ -44,23 +50,64 @@ class RelocationVerbs:
         against it (`invariants.check_plan` checks all of the above); while the table is still
         at that version nothing they depend on changed, and the check is not repeated.
         """
-        if moves.num_moves == 0:
+        self.apply_moves_each([self], [moves], [checked_at_version])
+
+    @staticmethod
+    def apply_moves_each(tables: Sequence[TokenTable], moves: Sequence[Moves],
+                         checked_at_versions: Sequence[int | None]) -> None:
+        """`apply_moves` of `moves[i]` on `tables[i]` (distinct tables of one pool, as the plans
+        of a reclamation round that land together), with the pool's live counts and reverse map
+        updated once for all of them instead of once per table. Every table's moves are checked
+        first, so that a rejected call changes nothing."""
+        if not len(tables) == len(moves) == len(checked_at_versions):
+            raise VTokenError(f"apply_moves_each got {len(tables)} tables, {len(moves)} moves and {len(checked_at_versions)} versions")
+        work = [(table, table_moves, version) for table, table_moves, version in zip(tables, moves, checked_at_versions)
+                if table_moves.num_moves]
+        if not work:
             return
-        self.flush()
-        if checked_at_version != self.layout_version:
-            self._check_moves(moves)
-        ids = moves.token_ids
-        src_slots, dst_slots = moves.src_slots(self.block_size), moves.dst_slots(self.block_size)
-        live = self._live[ids]
-        if live.any():
-            num_live = int(np.count_nonzero(live))
-            blocks, deltas = sum_by_block(np.concatenate((moves.src_block_ids[live], moves.dst_block_ids[live])),
-                                           np.concatenate((np.full(num_live, -1, np.int64), np.ones(num_live, np.int64))))
-            self.pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
-            self._token_at[src_slots[live]] = -1  # every source first: a destination may be another's source
-            self._token_at[dst_slots[live]] = ids[live]
+        pool = work[0][0].pool
+        if len(work) > 1 and (len({id(table) for table, _, _ in work}) != len(work) or any(table.pool is not pool for table, _, _ in work)):
+            raise VTokenError("apply_moves_each needs distinct tables of one pool")
+        pool.flush_deferred()  # every table's tail in the reverse map before a check reads it
+        for table, table_moves, version in work:
+            if version != table.layout_version:
+                table._check_moves(table_moves)
+        # the pool's side: live tokens leave their sources and join their destinations
+        block_size = pool.block_size
+        src_blocks, dst_blocks, src_slots, dst_slots, moved_ids, repoints = [], [], [], [], [], []
+        for table, table_moves, _ in work:
+            table_dst_slots = table_moves.dst_slots(block_size)
+            live = table._live[table_moves.token_ids]
+            has_live = bool(live.any())
+            repoints.append((table, table_moves.token_ids, table_dst_slots, has_live))
+            if not has_live:
+                continue
+            if live.all():  # the usual case: nothing was evicted while the copy was in flight
+                kept, kept_dst_slots = table_moves, table_dst_slots
+            else:
+                kept, kept_dst_slots = table_moves.select(live), table_dst_slots[live]
+            src_blocks.append(kept.src_block_ids)
+            dst_blocks.append(kept.dst_block_ids)
+            src_slots.append(kept.src_slots(block_size))
+            dst_slots.append(kept_dst_slots)
+            moved_ids.append(kept.token_ids)
+        if src_blocks:
+            num_live = sum(blocks.size for blocks in src_blocks)
+            blocks, deltas = sum_by_block(np.concatenate(src_blocks + dst_blocks),
+                                          np.concatenate((np.full(num_live, -1, np.int64), np.ones(num_live, np.int64))))
+            pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
+            token_at = pool.token_at
+            token_at[np.concatenate(src_slots)] = -1  # every source first: a destination may be another's source
+            token_at[np.concatenate(dst_slots)] = np.concatenate(moved_ids)
+        for table, token_ids, table_dst_slots, has_live in repoints:
+            table._repoint(token_ids, table_dst_slots, has_live)
+
+    def _repoint(self, token_ids: np.ndarray, dst_slots: np.ndarray, has_live: bool) -> None:
+        """The table's half of `apply_moves_each`, after the pool's: the moved tokens' slots
+        (`has_live`: some of them are live, so the slot list changed)."""
+        if has_live:
             self._cache.is_valid = False
-        self._slot[ids] = dst_slots
+        self._slot[token_ids] = dst_slots
         self.layout_version += 1
 
     def _check_moves(self, moves: Moves) -> None:
@@ -98,7 +145,9 @@ class RelocationVerbs:
             return
         self.flush()
         held = self._held[: self._num_held]
-        released = np.unique(released)
+        released = np.sort(released)
+        if not is_distinct(released):
+            released = np.unique(released)
         is_released = isin(held, released)
         if np.count_nonzero(is_released) != released.size:
             raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {np.setdiff1d(released, held).tolist()}")
