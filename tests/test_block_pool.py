@@ -266,6 +266,24 @@ def test_add_live_is_adjust_live_for_one_block() -> None:
     assert_same(before, snapshot(scalar))
 
 
+@settings(max_examples=60, deadline=None)
+@given(num_lost=st.lists(st.integers(0, 4), min_size=40, max_size=40), seed=st.integers(0, 2**16))
+def test_remove_live_tokens_in_is_remove_live_token_of_each_and_names_the_emptied_blocks(num_lost: list[int], seed: int) -> None:
+    """A batch eviction's pool update: block b loses num_lost[b] of its live tokens, in any
+    order; both the few-dozen path and the array path (more than 64 tokens)."""
+    batch, each = BlockPool(40, 4), BlockPool(40, 4)
+    block_ids = np.random.default_rng(seed).permutation(np.repeat(np.arange(40), num_lost))
+    live = np.random.default_rng(seed + 1).integers(np.array(num_lost), 5)  # at least what each block loses
+    for pool in (batch, each):
+        pool.allocate(40)
+        pool.adjust_live(np.arange(40), live)
+    emptied = batch.remove_live_tokens_in(block_ids)
+    for block_id in block_ids.tolist():
+        each.remove_live_token(block_id)
+    assert_same(snapshot(each), snapshot(batch))
+    assert emptied.tolist() == np.flatnonzero((each.live_counts == 0) & (np.array(num_lost) > 0)).tolist()  # emptied now
+
+
 # ---- metrics -----------------------------------------------------------------------------
 
 

@@ -406,6 +406,57 @@ def test_a_token_evicted_while_its_copy_is_in_flight_is_repointed_without_count_
     assert table.slots().tolist() == [0, 3, 4, 5, 6, 7, 2, 10, 11]
 
 
+def two_holey_tables() -> tuple[TokenTable, TokenTable]:
+    """Two requests of one pool, each with a hole in its first block and live tokens to move.
+
+        request 0: block 0: [0 . . 3]  block 1: [4 5 6 7]  block 2: [8 9 10 11]
+        request 1: block 3: [0 1 . .]  block 4: [4 5 6 7]  block 5: [8 9 10 11]
+    """
+    pool = make_pool()
+    first, second = make_table(pool, 12, req_id=0), make_table(pool, 12, req_id=1)
+    first.evict_tokens(np.array([1, 2]))
+    second.evict_tokens(np.array([2, 3]))
+    return first, second
+
+
+FIRST_MOVES = [(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)]
+SECOND_MOVES = [(10, 5, 2, 3, 2), (11, 5, 3, 3, 3)]
+
+
+def test_apply_moves_each_equals_apply_moves_of_each_table_in_turn() -> None:
+    each = two_holey_tables()
+    each[0].apply_moves(make_moves(FIRST_MOVES))
+    each[1].apply_moves(make_moves(SECOND_MOVES))
+    together = two_holey_tables()
+    TokenTable.apply_moves_each(together, [make_moves(FIRST_MOVES), make_moves(SECOND_MOVES)], [None, None])
+    for one, other in zip(each, together):
+        assert_unchanged(state(one), other)
+        assert one.layout_version == other.layout_version
+    np.testing.assert_array_equal(each[0].pool.token_at, together[0].pool.token_at)
+
+
+def test_apply_moves_each_rejects_a_bad_move_of_any_table_and_changes_neither() -> None:
+    first, second = two_holey_tables()
+    before = state(first), state(second)
+    with pytest.raises(VTokenError, match="request 1: move onto occupied slot 12"):
+        TokenTable.apply_moves_each([first, second], [make_moves(FIRST_MOVES), make_moves([(10, 5, 2, 3, 0)])], [None, None])
+    assert_unchanged(before[0], first)
+    assert_unchanged(before[1], second)
+
+
+def test_apply_moves_each_skips_the_check_only_for_a_table_still_at_its_checked_version() -> None:
+    first, second = two_holey_tables()
+    stale = make_moves([(8, 2, 1, 0, 1)])  # names a source token 8 does not occupy
+    with pytest.raises(VTokenError, match="request 0: move of token 8 names a source"):
+        TokenTable.apply_moves_each([first, second], [stale, make_moves(SECOND_MOVES)], [first.layout_version - 1, None])
+
+
+def test_apply_moves_each_needs_distinct_tables() -> None:
+    first, _ = two_holey_tables()
+    with pytest.raises(VTokenError, match="distinct tables of one pool"):
+        TokenTable.apply_moves_each([first, first], [make_moves(FIRST_MOVES[:1]), make_moves(FIRST_MOVES[1:])], [None, None])
+
+
 def test_adopt_blocks_puts_relocation_destinations_before_the_tail() -> None:
     pool = make_pool()
     table = make_table(pool, 10)  # blocks 0, 1, 2 (tail, 2 written)
