@@ -379,6 +379,76 @@ def test_requests_are_ranked_as_a_sort_of_their_exact_reclaimable_blocks(request
     assert ranked == [(req_id, -negated) for negated, req_id in exact]
 
 
+def reference_hole_fill(table: TokenTable, max_src_blocks: int) -> tuple[list[int], list[tuple[int, int, int, int, int]]] | None:
+    """The hole-fill rule written out plainly, one request at a time: the last blocks go while
+    their live tokens fit in the earlier blocks' holes, the tokens in logical order into the
+    first holes, block by block, offsets ascending. Returns the sources (ascending) and the moves."""
+    movable = movable_block_ids(table).tolist()
+    live = [int(table.pool.live_counts[b]) for b in movable]
+    n = len(movable)
+    num_src = 0
+    while num_src < min(max_src_blocks, n - 1) and sum(live[n - 1 - num_src :]) <= sum(S - c for c in live[: n - 1 - num_src]):
+        num_src += 1
+    if num_src == 0:
+        return None
+    sources, kept = movable[n - num_src :], movable[: n - num_src]
+    tokens = [t for t in table.live_token_ids().tolist() if int(table.token_block_ids[t]) in sources]
+    holes = [(b, o) for b in kept for o in range(S) if table.pool.token_at[b * S + o] < 0][: len(tokens)]
+    moves = [(t, int(table.token_block_ids[t]), int(table.token_offsets[t]), b, o) for t, (b, o) in zip(tokens, holes, strict=True)]
+    return sorted(sources), moves
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=st.lists(layouts(), min_size=1, max_size=8), busy=st.sets(st.integers(0, 7), max_size=2),
+       max_src_blocks=st.integers(2, 6), budget=st.one_of(st.none(), st.integers(1, 12)), shared=st.booleans())
+def test_a_hole_fill_round_plans_every_request_as_the_plain_rule_does_most_reclaimable_first(
+        requests, busy, max_src_blocks, budget, shared) -> None:
+    """The lazy round plans all requests at once (plan_hole_fill_each); the plans and their
+    order must be the rule's for each request alone, ranked by exact reclaimable blocks, ties
+    by req_id, cut where the move budget is spent."""
+    pool = BlockPool(256, S)
+    tables = []
+    for req_id, (blocks, tail, _, _) in enumerate(requests):
+        owner = tables[0] if tables else None
+        if shared and req_id == 1 and owner.num_blocks > 1 and owner.live_mask[:S].all():
+            tables.append(make_sharer(owner, blocks, tail, req_id))  # shares request 0's first block
+        else:
+            tables.append(make_layout(*blocks, tail=tail, pool=pool, req_id=req_id))
+    for table in tables[::3]:  # a dead token in the open tail
+        if table.tail_num_written and table.live_mask[-1]:
+            table.evict_tokens(np.array([table.num_tokens - 1]))
+    config = ReclaimConfig(mode="hole-fill", max_src_blocks=max_src_blocks, max_moves_per_round=budget)
+    plans = Reclaimer(config, pool).plan(tables, frozenset(busy))
+    expected, num_moved = [], 0
+    ranked = sorted((-num_reclaimable_blocks(t), t.req_id, t) for t in tables if t.req_id not in busy and num_reclaimable_blocks(t) > 0)
+    for _, req_id, table in ranked:
+        if budget is not None and num_moved >= budget:
+            break
+        reference = reference_hole_fill(table, max_src_blocks)
+        if reference is not None:
+            expected.append((req_id, *reference))
+            num_moved += len(reference[1])
+    assert [(p.req_id, p.src_block_ids.tolist(), moves_of(p)) for p in plans] == expected
+    for plan in plans:
+        assert plan.layout_version == tables[plan.req_id].layout_version
+        check_plan(plan, tables[plan.req_id], pool, frozenset())
+
+
+def make_sharer(owner: TokenTable, blocks: list[str], tail: str, req_id: int) -> TokenTable:
+    """A request on the owner's pinned first block, then its own blocks as in `make_layout`."""
+    pool, prefix = owner.pool, owner.held_block_ids[:1].copy()
+    owner.pin_prefix(S)
+    pool.share(prefix)
+    table = TokenTable(req_id, pool)
+    table.attach_shared_prefix(prefix, S)
+    pattern = "".join(blocks) + tail
+    table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(len(pattern))), S + len(pattern))
+    dead = [S + i for i, mark in enumerate(pattern) if mark == "."]
+    if dead:
+        table.evict_tokens(np.array(dead))
+    return table
+
+
 # ---- under memory pressure ---------------------------------------------------------------
 
 

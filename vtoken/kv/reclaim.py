@@ -43,7 +43,7 @@ import numpy as np
 from vtoken import defaults
 from vtoken.errors import ConfigError
 from vtoken.kv.arrays import block_slots
-from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.block_pool import NO_BLOCKS, BlockPool
 from vtoken.kv.moves import Moves
 from vtoken.kv.token_table import TokenTable
 
@@ -155,6 +155,8 @@ class Reclaimer:
 
     def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
                num_blocks_wanted: int | None) -> list[RelocationPlan]:
+        if self.config.mode == "hole-fill" and num_blocks_wanted is None:
+            return self._hole_fill_round(tables, busy_req_ids)
         plans: list[RelocationPlan] = []
         num_dst_used, num_moved = 0, 0
         budget = self.config.max_moves_per_round
@@ -177,6 +179,30 @@ class Reclaimer:
                 num_moved += plan.num_tokens_moved
                 num_freed += plan.num_blocks_freed
         return plans
+
+
+    def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> list[RelocationPlan]:
+        """A lazy hole-fill round: every request's plan at once (`plan_hole_fill_each`, a fixed
+        number of numpy calls for the round), then most reclaimable first, ties by req_id, until
+        the round's move budget is spent. The order and the plans are `most_reclaimable_first`'s
+        and `plan_hole_fill`'s: hole-fill plans are independent of each other, so planning them
+        all and then ordering them gives what planning them one by one in that order gives."""
+        candidates = [(idx, table) for idx, table in enumerate(tables)
+                      if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
+        if not candidates:
+            return []
+        movables = Movables.of([table for _, table in candidates])
+        plans = plan_hole_fill_each(movables, self.config.max_src_blocks)
+        ranked = sorted((-int(num), table.req_id, idx, plan)
+                        for (idx, table), num, plan in zip(candidates, movables.num_reclaimable.tolist(), plans)
+                        if plan is not None)
+        budget, num_moved, kept = self.config.max_moves_per_round, 0, []
+        for *_, plan in ranked:
+            if budget is not None and num_moved >= budget:
+                break
+            kept.append(plan)
+            num_moved += plan.num_tokens_moved
+        return kept
 
 
 def most_reclaimable_first(tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> Iterator[tuple[TokenTable, _Movable]]:
@@ -226,10 +252,47 @@ class _Movable:
 
     @classmethod
     def of(cls, table: TokenTable) -> _Movable:
-        block_ids = movable_block_ids(table)
-        live_counts = table.pool.live_counts[block_ids]
-        num_live = int(live_counts.sum()) if block_ids.size else 0
-        return cls(block_ids, live_counts, block_ids.size - -(-num_live // table.block_size))
+        return Movables.of([table]).one(0)
+
+
+@dataclass(frozen=True)
+class Movables:
+    """The movable blocks of several requests (`movable_block_ids`), concatenated in the
+    requests' order, with their live counts: request k's are [starts[k], ends[k])."""
+
+    tables: list[TokenTable]
+    block_ids: np.ndarray
+    live_counts: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    num_live: np.ndarray  # [requests] live tokens in their movable blocks
+    num_reclaimable: np.ndarray  # [requests] blocks a perfect packing of those would give back
+
+    @classmethod
+    def of(cls, tables: list[TokenTable]) -> Movables:
+        """One numpy pass over every request's held blocks (a slice per request, then the pool's
+        ref counts and live counts read once for all of them)."""
+        pool, block_size = tables[0].pool, tables[0].block_size
+        held = []
+        for table in tables:
+            table_held = table.held_block_ids
+            end = table_held.size - (table_held.size > table.num_pinned_blocks and table.tail_num_written < block_size)
+            held.append(table_held[table.num_pinned_blocks : end])
+        block_ids = np.concatenate(held) if len(held) > 1 else held[0]
+        unshared = pool.ref_counts[block_ids] == 1
+        counts = np.cumsum(unshared)  # unshared blocks up to each held one: the requests' new bounds
+        ends_held = np.cumsum([h.size for h in held])
+        ends = np.where(ends_held > 0, counts[np.maximum(ends_held - 1, 0)], 0) if block_ids.size else np.zeros(len(held), np.int64)
+        starts = np.concatenate(([0], ends[:-1]))
+        block_ids = block_ids[unshared]
+        live_counts = pool.live_counts[block_ids]
+        live_before = np.concatenate(([0], np.cumsum(live_counts)))
+        num_live = live_before[ends] - live_before[starts]
+        return cls(tables, block_ids, live_counts, starts, ends, num_live, (ends - starts) - -(-num_live // block_size))
+
+    def one(self, k: int) -> _Movable:
+        start, end = int(self.starts[k]), int(self.ends[k])
+        return _Movable(self.block_ids[start:end], self.live_counts[start:end], int(self.num_reclaimable[k]))
 
 
 def num_reclaimable_blocks(table: TokenTable) -> int:
@@ -260,25 +323,85 @@ def movable_block_ids(table: TokenTable) -> np.ndarray:
 
 
 def plan_hole_fill(table: TokenTable, max_src_blocks: int, movable: _Movable | None = None) -> RelocationPlan | None:
+    """The hole-fill plan of one request (`plan_hole_fill_each` of it alone)."""
     movable = movable or _Movable.of(table)
-    block_ids, live_counts = movable.block_ids, movable.live_counts
-    # Take sources from the end while their live tokens still fit in the earlier blocks' holes:
-    # the last k blocks go if the live tokens of the last 1, 2, ..., k all fit before them.
-    max_src = min(max_src_blocks, block_ids.size - 1)
-    if max_src <= 0:
-        return None
-    num_holes_before = np.cumsum(table.block_size - live_counts)  # holes in block_ids[:i+1]
-    src_live = np.cumsum(live_counts[::-1][:max_src])  # live tokens in the last 1, 2, ... blocks
-    fits = src_live <= num_holes_before[block_ids.size - 2 :: -1][:max_src]
-    num_src = max_src if fits.all() else int(fits.argmin())
-    if num_src == 0:
-        return None
-    num_src_live = int(src_live[num_src - 1])
-    src_block_ids, kept_block_ids = block_ids[block_ids.size - num_src :], block_ids[: block_ids.size - num_src]
-    token_ids, block_of_token, offset_of_token = _live_tokens_in(table, src_block_ids)
-    dst_blocks, dst_offsets = _holes(table, kept_block_ids, num_src_live)
-    moves = Moves(token_ids, block_of_token, offset_of_token, dst_blocks, dst_offsets)
-    return RelocationPlan(table.req_id, "hole-fill", moves, np.sort(src_block_ids), np.zeros(0, np.int64), table.layout_version)
+    num_blocks, num_live = movable.block_ids.size, int(movable.live_counts.sum())
+    movables = Movables([table], movable.block_ids, movable.live_counts, np.array([0]), np.array([num_blocks]),
+                        np.array([num_live]), np.array([movable.num_reclaimable]))
+    return plan_hole_fill_each(movables, max_src_blocks)[0]
+
+
+def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[RelocationPlan | None]:
+    """The hole-fill plan of every request of `movables` (None where it has none), with a fixed
+    number of numpy calls over all their blocks, not a few dozen per request.
+
+    Per request, over its movable blocks in order (positions i = 0..n-1): the last blocks are
+    sources while the live tokens of the last 1, 2, ... of them fit in the holes before them, up
+    to B = min(max_src_blocks, n - 1) sources. Position i can start the sources when the live
+    tokens in [i, n) fit in the holes of [0, i); the sources are the longest run of such
+    positions from the end. Their live tokens, in logical order, fill the first holes of the
+    kept blocks, in block order and offsets ascending; the moves pair them in that order.
+    """
+    block_size, pool = movables.tables[0].block_size, movables.tables[0].pool
+    starts, ends = movables.starts, movables.ends
+    sizes = ends - starts
+    planned = (movables.num_reclaimable > 0) & (sizes >= 2)
+    plans: list[RelocationPlan | None] = [None] * len(movables.tables)
+    if not planned.any():
+        return plans
+    request_of = np.repeat(np.arange(sizes.size), sizes)  # the request of each movable block
+    position = np.arange(request_of.size) - starts[request_of]
+    live = movables.live_counts.astype(np.int64)
+    live_before = np.cumsum(live) - live  # live tokens before each block, over all requests
+    holes_before = np.cumsum(block_size - live) - (block_size - live)
+    live_before_in = live_before - live_before[starts][request_of]  # ... within its request
+    holes_before_in = holes_before - holes_before[starts][request_of]
+    live_from = movables.num_live[request_of] - live_before_in  # live tokens in [i, n)
+    num_from_end = sizes[request_of] - position  # sources if the run starts here (n - i)
+    max_src = np.minimum(max_src_blocks, sizes - 1)
+    stops = (live_from > holes_before_in) | (num_from_end > max_src[request_of])
+    # the run from the end stops at the last position that cannot start it (position 0 always
+    # stops it: it would leave no block to fill)
+    last_stop = np.full(sizes.size, -1, dtype=np.int64)
+    np.maximum.at(last_stop, request_of[stops], position[stops])
+    num_src = np.where(planned, sizes - 1 - last_stop, 0)
+    planned &= num_src > 0
+    if not planned.any():
+        return plans
+    is_src = position >= (sizes - num_src)[request_of]
+    is_src &= planned[request_of]
+    num_moves = np.where(planned, live_from[np.minimum(ends - num_src, request_of.size - 1)], 0)
+    # the sources' live tokens, in logical order per request (the pool's reverse map)
+    src_blocks, src_request = movables.block_ids[is_src], request_of[is_src]
+    slots = block_slots(src_blocks, block_size)
+    token_ids = pool.token_at[slots]
+    is_live = token_ids >= 0
+    slots, token_ids, token_request = slots[is_live], token_ids[is_live], np.repeat(src_request, block_size)[is_live]
+    order = np.lexsort((token_ids, token_request))
+    slots, token_ids = slots[order], token_ids[order]
+    # the holes: only kept blocks of a planned request whose free slots before them fall short
+    # of its moves, and that have a free slot
+    need = num_moves[request_of]
+    is_dst = ~is_src & planned[request_of] & (holes_before_in < need) & (live < block_size)
+    dst_blocks, dst_request = movables.block_ids[is_dst], request_of[is_dst]
+    dst_slots = block_slots(dst_blocks, block_size)
+    is_hole = pool.token_at[dst_slots] < 0
+    dst_slots, hole_request = dst_slots[is_hole], np.repeat(dst_request, block_size)[is_hole]
+    rank = np.arange(hole_request.size) - np.searchsorted(hole_request, hole_request)
+    dst_slots = dst_slots[rank < num_moves[hole_request]]
+    src_sorted = np.lexsort((src_blocks, src_request))
+    src_blocks_sorted = src_blocks[src_sorted]
+    move_ends = np.cumsum(num_moves)
+    src_ends = np.cumsum(num_src)
+    src_block_of, src_offset_of = slots // block_size, slots % block_size
+    dst_block_of, dst_offset_of = dst_slots // block_size, dst_slots % block_size
+    for k in np.flatnonzero(planned).tolist():
+        table = movables.tables[k]
+        a, b = int(move_ends[k] - num_moves[k]), int(move_ends[k])
+        moves = Moves(token_ids[a:b], src_block_of[a:b], src_offset_of[a:b], dst_block_of[a:b], dst_offset_of[a:b])
+        sources = src_blocks_sorted[int(src_ends[k] - num_src[k]) : int(src_ends[k])]
+        plans[k] = RelocationPlan(table.req_id, "hole-fill", moves, sources, NO_BLOCKS, table.layout_version)
+    return plans
 
 
 def plan_ordered(table: TokenTable, max_src_blocks: int, pool: BlockPool, num_dst_used: int,
@@ -304,15 +427,3 @@ def _live_tokens_in(table: TokenTable, block_ids: np.ndarray) -> tuple[np.ndarra
     token_ids = table.live_ids_in(block_ids)
     slots = table.token_slots[token_ids]
     return token_ids, slots // table.block_size, slots % table.block_size
-
-
-def _holes(table: TokenTable, block_ids: np.ndarray, num_holes: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first `num_holes` slots of `block_ids` (in order, offsets ascending) without a live token."""
-    # only the leading blocks whose free slots add up to num_holes, and of those only the ones
-    # with a free slot, are looked at
-    num_free = table.block_size - table.pool.live_counts[block_ids]
-    num_leading = int(np.searchsorted(np.cumsum(num_free), num_holes)) + 1
-    block_ids = block_ids[:num_leading][num_free[:num_leading] > 0]
-    slots = block_slots(block_ids, table.block_size)
-    holes = slots[table.pool.token_at[slots] < 0][:num_holes]
-    return holes // table.block_size, holes % table.block_size
