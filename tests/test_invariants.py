@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from vtoken.errors import InvariantError, VTokenError
-from vtoken.invariants import check_conservation, check_contents, check_plan, check_unique_mapping, check_visibility
+from vtoken.invariants import (
+    check_conservation,
+    check_contents,
+    check_plan,
+    check_unique_mapping,
+    check_visibility,
+    plans_pass,
+)
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
@@ -196,14 +203,17 @@ def test_a_fresh_plan_passes_for_both_modes() -> None:
     for mode in ("hole-fill", "ordered"):
         pool = BlockPool(16, S)
         table = make_table(pool, 14, evicted=(1, 2, 10, 11))
-        for plan in Reclaimer(ReclaimConfig(mode=mode), pool).plan([table]):
+        plans = Reclaimer(ReclaimConfig(mode=mode), pool).plan([table])
+        for plan in plans:
             check_plan(plan, table, pool, frozenset({5}))
+        assert plans and plans_pass(plans, [table] * len(plans), pool, frozenset({5}))
 
 
 def test_a_plan_of_a_busy_request_raises() -> None:
     pool, table, plan = holey_setup()
     with raises("I4", "request 0 plan: overlaps a plan of the same request still in flight"):
         check_plan(plan, table, pool, frozenset({0}))
+    assert not plans_pass([plan], [table], pool, frozenset({0}))  # the round check finds it too
 
 
 def test_a_plan_from_a_stale_layout_raises() -> None:
@@ -211,6 +221,7 @@ def test_a_plan_from_a_stale_layout_raises() -> None:
     table.evict_tokens(np.array([4]))
     with raises("I4", f"planned on layout version {plan.layout_version}, the table is at {plan.layout_version + 1}"):
         check_plan(plan, table, pool, frozenset())
+    assert not plans_pass([plan], [table], pool, frozenset())  # the round check finds it too
 
 
 def test_a_plan_that_does_not_reduce_the_block_count_raises() -> None:
@@ -219,6 +230,7 @@ def test_a_plan_that_does_not_reduce_the_block_count_raises() -> None:
                       moves=moves([(8, 2, 0, 4, 0), (9, 2, 1, 4, 1)]))
     with raises("I4", r"does not reduce the block count \(1 sources, 1 new blocks\)"):
         check_plan(ordered, table, pool, frozenset())
+    assert not plans_pass([ordered], [table], pool, frozenset())  # the round check finds it too
 
 
 def test_a_plan_touching_a_pinned_or_shared_block_raises() -> None:
@@ -228,12 +240,27 @@ def test_a_plan_touching_a_pinned_or_shared_block_raises() -> None:
     into_pinned = RelocationPlan(0, "hole-fill", moves([(8, 2, 0, 0, 1)]), np.array([2]), np.zeros(0, np.int64), table.layout_version)
     with raises("I4", "touches shared prefix block 0") as raised:
         check_plan(into_pinned, table, pool, frozenset())
+    assert not plans_pass([into_pinned], [table], pool, frozenset())  # the round check finds it too
     assert raised.value.where == {"req_id": 0, "block_id": 0}
     pool.share(np.array([1]))
     into_shared = RelocationPlan(0, "hole-fill", moves([(8, 2, 0, 1, 1), (9, 2, 1, 1, 2)]), np.array([2]),
                                  np.zeros(0, np.int64), table.layout_version)
     with raises("I4", "touches shared prefix block 1"):
         check_plan(into_shared, table, pool, frozenset())
+    assert not plans_pass([into_shared], [table], pool, frozenset())  # the round check finds it too
+
+
+def test_two_plans_of_one_request_in_a_round_do_not_pass() -> None:
+    """Each plan is valid alone; check_plan of the second sees the first in flight."""
+    pool = BlockPool(16, S)
+    table = make_table(pool, 20, evicted=(1, 2, 5, 6, 8, 9, 10, 13, 14, 15))  # [0 . . 3] [4 . . 7] [. . . 11] [12 . . .] [16-19]
+    first = RelocationPlan(0, "hole-fill", moves([(11, 2, 3, 0, 1)]), np.array([2]), np.zeros(0, np.int64), table.layout_version)
+    second = RelocationPlan(0, "hole-fill", moves([(12, 3, 0, 1, 1)]), np.array([3]), np.zeros(0, np.int64), table.layout_version)
+    for plan in (first, second):
+        check_plan(plan, table, pool, frozenset())
+    assert not plans_pass([first, second], [table, table], pool, frozenset())
+    with raises("I4", "overlaps a plan of the same request still in flight"):
+        check_plan(second, table, pool, frozenset({0}))
 
 
 def test_a_plan_that_leaves_a_live_token_behind_raises() -> None:
@@ -241,6 +268,7 @@ def test_a_plan_that_leaves_a_live_token_behind_raises() -> None:
     partial = replace(plan, moves=moves([(8, 2, 0, 0, 1)]))
     with raises("I4", "moves 1 tokens but its sources hold 2 live ones"):
         check_plan(partial, table, pool, frozenset())
+    assert not plans_pass([partial], [table], pool, frozenset())  # the round check finds it too
 
 
 @pytest.mark.parametrize(("rows", "src_block_ids", "match"), [
@@ -257,6 +285,7 @@ def test_a_plan_whose_copy_would_overwrite_or_free_the_wrong_slots_raises(rows, 
     bad = replace(plan, moves=moves(rows), src_block_ids=np.array(src_block_ids))
     with raises("I4", match):
         check_plan(bad, table, pool, frozenset())
+    assert not plans_pass([bad], [table], pool, frozenset())  # the round check finds it too
 
 
 @pytest.mark.parametrize(("rows", "match"), [
@@ -265,12 +294,14 @@ def test_a_plan_whose_copy_would_overwrite_or_free_the_wrong_slots_raises(rows, 
     ([(8, 2, 0, 0, 1), (8, 2, 0, 0, 2)], "moves unknown or repeated tokens"),
     ([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2), (14, 3, 2, 1, 1)], "moves unknown or repeated tokens"),
     ([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2), (4, 1, 0, 3, 2)], "moves token 4 out of block 1, which is not one of its sources"),
+    ([(8, 2, 0, 0, 1), (4, 1, 0, 0, 2)], "moves token 4 out of block 1, which is not one of its sources"),  # 9 left behind
 ])
 def test_a_plan_that_moves_tokens_other_than_its_sources_live_ones_raises(rows, match: str) -> None:
     pool, table, plan = holey_setup()  # block 2: [8 9 . .], 10 and 11 evicted; 14 tokens
     bad = replace(plan, moves=moves(rows))
     with raises("I4", match):
         check_plan(bad, table, pool, frozenset())
+    assert not plans_pass([bad], [table], pool, frozenset())  # the round check finds it too
 
 
 def test_moves_checked_at_the_tables_version_are_not_checked_again_and_any_change_brings_the_check_back(monkeypatch) -> None:

@@ -4,13 +4,15 @@ every live token."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken.errors import ConfigError
-from vtoken.invariants import check_plan, check_unique_mapping
+from vtoken.errors import ConfigError, InvariantError
+from vtoken.invariants import check_plan, check_unique_mapping, plans_pass
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.reclaim import (
     ReclaimConfig,
@@ -432,6 +434,56 @@ def test_a_hole_fill_round_plans_every_request_as_the_plain_rule_does_most_recla
     for plan in plans:
         assert plan.layout_version == tables[plan.req_id].layout_version
         check_plan(plan, tables[plan.req_id], pool, frozenset())
+
+
+CORRUPTIONS = ("token", "src-offset", "dst-offset", "dst-block", "drop-move", "add-source", "version", "repeat-request")
+
+
+@settings(max_examples=200, deadline=None)
+@given(requests=st.lists(layouts(), min_size=2, max_size=6), mode=st.sampled_from(["hole-fill", "ordered"]),
+       corruption=st.sampled_from(CORRUPTIONS), which=st.integers(0, 5), delta=st.integers(1, 9))
+def test_the_round_check_passes_a_planned_round_and_fails_wherever_check_plan_would(requests, mode, corruption, which, delta) -> None:
+    """plans_pass against check_plan of each plan in turn (each request busy once launched):
+    a planned round passes both; a round with one plan corrupted never passes the round check
+    where check_plan finds a violation."""
+    pool = BlockPool(256, S)
+    tables = [make_layout(*blocks, tail=tail, pool=pool, req_id=req_id) for req_id, (blocks, tail, _, _) in enumerate(requests)]
+    plans = Reclaimer(ReclaimConfig(mode=mode), pool).plan(tables)
+    by_id = {t.req_id: t for t in tables}
+    assert plans_pass(plans, [by_id[p.req_id] for p in plans], pool, frozenset())
+    if not plans:
+        return
+    k = which % len(plans)
+    plans[k] = corrupt(plans[k], corruption, delta, pool, plans)
+    try:
+        busy = frozenset()
+        for plan in plans:
+            check_plan(plan, by_id[plan.req_id], pool, busy)
+            busy |= {plan.req_id}
+    except InvariantError:
+        assert not plans_pass(plans, [by_id[p.req_id] for p in plans], pool, frozenset())
+
+
+def corrupt(plan: RelocationPlan, corruption: str, delta: int, pool: BlockPool, plans: list[RelocationPlan]) -> RelocationPlan:
+    m = plan.moves
+    shifted = lambda a: np.concatenate(((a[:1] + delta) % max(int(a.max()) + 2, S), a[1:]))  # noqa: E731
+    if corruption == "token":
+        m = replace(m, token_ids=shifted(m.token_ids))
+    elif corruption == "src-offset":
+        m = replace(m, src_offsets=(m.src_offsets + np.eye(1, m.num_moves, 0, dtype=np.int64)[0] * delta) % S)
+    elif corruption == "dst-offset":
+        m = replace(m, dst_offsets=(m.dst_offsets + np.eye(1, m.num_moves, 0, dtype=np.int64)[0] * delta) % S)
+    elif corruption == "dst-block":
+        m = replace(m, dst_block_ids=np.concatenate(([delta % pool.num_blocks], m.dst_block_ids[1:])))
+    elif corruption == "drop-move":
+        m = m.select(np.arange(1, m.num_moves))
+    elif corruption == "add-source":
+        return replace(plan, src_block_ids=np.unique(np.append(plan.src_block_ids, delta % 24)))
+    elif corruption == "version":
+        return replace(plan, layout_version=plan.layout_version - delta)
+    else:
+        return replace(plan, req_id=plans[0].req_id) if plan is not plans[0] else replace(plan, req_id=plans[-1].req_id)
+    return replace(plan, moves=m)
 
 
 def make_sharer(owner: TokenTable, blocks: list[str], tail: str, req_id: int) -> TokenTable:
