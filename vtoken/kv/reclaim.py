@@ -155,7 +155,7 @@ class Reclaimer:
 
     def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
                num_blocks_wanted: int | None) -> list[RelocationPlan]:
-        if self.config.mode == "hole-fill" and num_blocks_wanted is None:
+        if self.config.mode == "hole-fill" and num_blocks_wanted is None and self.config.max_moves_per_round is None:
             return self._hole_fill_round(tables, busy_req_ids)
         plans: list[RelocationPlan] = []
         num_dst_used, num_moved = 0, 0
@@ -182,11 +182,13 @@ class Reclaimer:
 
 
     def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> list[RelocationPlan]:
-        """A lazy hole-fill round: every request's plan at once (`plan_hole_fill_each`, a fixed
-        number of numpy calls for the round), then most reclaimable first, ties by req_id, until
-        the round's move budget is spent. The order and the plans are `most_reclaimable_first`'s
+        """A lazy hole-fill round without a move budget: every request's plan at once
+        (`plan_hole_fill_each`, a fixed number of numpy calls for the round), then most
+        reclaimable first, ties by req_id. The order and the plans are `most_reclaimable_first`'s
         and `plan_hole_fill`'s: hole-fill plans are independent of each other, so planning them
-        all and then ordering them gives what planning them one by one in that order gives."""
+        all and then ordering them gives what planning them one by one in that order gives. A
+        round with a budget (or under pressure) plans one request at a time instead, since it
+        stops after the first few: planning every request to keep one costs more than it saves."""
         candidates = [(idx, table) for idx, table in enumerate(tables)
                       if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
         if not candidates:
@@ -196,13 +198,7 @@ class Reclaimer:
         ranked = sorted((-int(num), table.req_id, idx, plan)
                         for (idx, table), num, plan in zip(candidates, movables.num_reclaimable.tolist(), plans)
                         if plan is not None)
-        budget, num_moved, kept = self.config.max_moves_per_round, 0, []
-        for *_, plan in ranked:
-            if budget is not None and num_moved >= budget:
-                break
-            kept.append(plan)
-            num_moved += plan.num_tokens_moved
-        return kept
+        return [plan for *_, plan in ranked]
 
 
 def most_reclaimable_first(tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> Iterator[tuple[TokenTable, _Movable]]:
