@@ -13,7 +13,8 @@ from vtoken.errors import ConfigError
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
+from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 
 SHAPE = KVShape(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=3)

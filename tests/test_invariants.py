@@ -22,7 +22,8 @@ from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
 from vtoken.kv.moves import Moves
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
+from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 
 S = 4

@@ -14,17 +14,9 @@ from hypothesis import strategies as st
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.invariants import check_plan, check_unique_mapping, plans_pass
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.reclaim import (
-    ReclaimConfig,
-    Reclaimer,
-    RelocationPlan,
-    most_reclaimable_first,
-    movable_block_ids,
-    num_reclaimable_blocks,
-    num_uncompacted_blocks,
-    plan_hole_fill,
-    plan_ordered,
-)
+from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.planning import movable_block_ids, num_reclaimable_blocks, plan_hole_fill, plan_ordered
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, most_reclaimable_first, num_uncompacted_blocks
 from vtoken.kv.token_table import TokenTable
 
 S = 4
@@ -376,7 +368,7 @@ def test_requests_are_ranked_as_a_sort_of_their_exact_reclaimable_blocks(request
     for table in tables[::2]:  # a dead token in the open tail: the O(1) bound is then above the exact count
         if table.tail_num_written and table.live_mask[-1]:
             table.evict_tokens(np.array([table.num_tokens - 1]))
-    ranked = [(t.req_id, m.num_reclaimable) for t, m in most_reclaimable_first(tables, frozenset(busy))]
+    ranked = [(t.req_id, int(m.num_reclaimable[0])) for t, m in most_reclaimable_first(tables, frozenset(busy))]
     exact = sorted((-num_reclaimable_blocks(t), t.req_id) for t in tables if t.req_id not in busy and num_reclaimable_blocks(t) > 0)
     assert ranked == [(req_id, -negated) for negated, req_id in exact]
 

@@ -21,7 +21,8 @@ from vtoken.invariants import check_contents, check_conservation, check_plan, ch
 from vtoken.kv.block_pool import NUM_HISTOGRAM_BINS, BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
+from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 
 S = 4

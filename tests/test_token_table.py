@@ -444,11 +444,15 @@ def test_apply_moves_each_rejects_a_bad_move_of_any_table_and_changes_neither() 
     assert_unchanged(before[1], second)
 
 
-def test_apply_moves_each_skips_the_check_only_for_a_table_still_at_its_checked_version() -> None:
+def test_apply_moves_each_skips_the_check_only_for_a_table_still_at_its_checked_version(monkeypatch) -> None:
     first, second = two_holey_tables()
     stale = make_moves([(8, 2, 1, 0, 1)])  # names a source token 8 does not occupy
     with pytest.raises(VTokenError, match="request 0: move of token 8 names a source"):
         TokenTable.apply_moves_each([first, second], [stale, make_moves(SECOND_MOVES)], [first.layout_version - 1, None])
+    checked = []
+    monkeypatch.setattr(TokenTable, "_check_moves", lambda table, moves: checked.append(table.req_id))
+    TokenTable.apply_moves_each([first, second], [make_moves(FIRST_MOVES), make_moves(SECOND_MOVES)], [first.layout_version, None])
+    assert checked == [1]  # the first was checked at its version: not again
 
 
 def test_apply_moves_each_needs_distinct_tables() -> None:

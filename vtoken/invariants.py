@@ -21,7 +21,7 @@ import numpy as np
 from vtoken.errors import InvariantError
 from vtoken.kv.arrays import is_distinct, isin
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.token_table import TokenTable
 
 

@@ -14,7 +14,7 @@ import torch
 
 from vtoken.checker.report import KVLayout
 from vtoken.kv.kv_cache import PagedKVCache
-from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.token_table import TokenTable
 from vtoken.trace import Request
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import PagedKVCache
-from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.moves import RelocationPlan
 
 
 def copy_mode_for(device: str) -> str:

@@ -39,7 +39,8 @@ from vtoken.checker.names import FAULT_DETECTED_BY, FAULT_KINDS  # noqa: F401  (
 from vtoken.errors import ConfigError
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan
+from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 
 PlannerFactory = Callable[[ReclaimConfig, BlockPool], Reclaimer]  # as vtoken.engine.runtime's

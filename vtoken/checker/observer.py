@@ -38,7 +38,7 @@ from vtoken.errors import InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_contents, check_plan, check_unique_mapping, check_visibility
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.token_table import TokenTable
 from vtoken.trace import num_output_tokens
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vtoken.kv.kv_cache import PagedKVCache
-from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.token_table import TokenTable
 
 

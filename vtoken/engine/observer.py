@@ -16,7 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from vtoken.engine.batch import Batch
-    from vtoken.kv.reclaim import RelocationPlan
+    from vtoken.kv.moves import RelocationPlan
     from vtoken.kv.token_table import TokenTable
 
 

@@ -31,7 +31,8 @@ from vtoken.errors import ConfigError
 from vtoken.invariants import check_plan, plans_pass
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, RelocationPlan, num_uncompacted_blocks
+from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, num_uncompacted_blocks
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import MemorySample, ReclaimWork, Recorder, RunCounters, RunResult
 from vtoken.policies import make_policy

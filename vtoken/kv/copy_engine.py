@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vtoken.errors import ConfigError
-from vtoken.kv.reclaim import RelocationPlan
+from vtoken.kv.moves import RelocationPlan
 
 if TYPE_CHECKING:  # torch is imported only once a KV cache exists: the sim runs without it
     import torch
