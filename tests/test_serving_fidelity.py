@@ -275,3 +275,26 @@ def test_the_sims_scores_are_the_documented_formulas(beta: float) -> None:
         assert importance_count.tolist() == expected_count
         only_sum = executor.attention_stats(req_idx, token_ids, num_tokens, ("attention_sum",))
         assert only_sum[1] is None and only_sum[2] is None and np.array_equal(only_sum[0], attention_sum)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=8), forget_at=st.integers(0, 8))
+def test_a_requests_importance_is_one_stream_however_it_grows(lengths: list[int], forget_at: int) -> None:
+    """w_j is drawn as the request grows, continuing its generator: at every length it equals
+    the first values of one draw of the whole stream (1 + Pareto(alpha), the sinks boosted),
+    and a request forgotten and asked again starts the same stream over."""
+    import numpy as np
+
+    profile = SimProfile()
+    executor = SimExecutor(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), profile, seed=11)
+    whole = np.random.default_rng([11, 3]).pareto(profile.pareto_alpha, 4000) + 1.0
+    whole[: profile.num_sink_tokens] *= profile.sink_boost
+    seen = []
+    for step, num_tokens in enumerate(lengths):
+        if step == forget_at:
+            executor.forget(3)
+        weights = executor.importance(3, num_tokens)
+        assert np.array_equal(weights, whole[:num_tokens])
+        seen.append(weights.copy())
+    for weights, num_tokens in zip(seen, lengths):  # an earlier result is not changed by later draws
+        assert np.array_equal(weights, whole[:num_tokens])

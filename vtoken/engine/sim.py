@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 
 
 ATTENTION_READS = ("kv-extent", "live-tokens")  # paged kernels (vLLM's); a token-gather kernel
+WEIGHTS_DRAWN_AHEAD = 256  # w_j drawn past the length asked for: a growing request draws every few events, not every one
 
 
 @dataclass(frozen=True)
@@ -265,19 +266,22 @@ class SimExecutor:
         return self._weights(req_idx, num_tokens)[:num_tokens]
 
     def _weights(self, req_idx: int, num_tokens: int) -> np.ndarray:
-        """w_j for at least `num_tokens` tokens."""
-        weights = self._importance.get(req_idx)
-        if weights is None or weights.size < num_tokens:
+        """w_j for at least `num_tokens` tokens: the first values of the request's stream, drawn
+        as it grows. Each draw continues the request's generator, so the values are those one
+        draw of the whole length would give (the stream's first values do not depend on how
+        many are drawn), and a request draws about its final length once, not again at every
+        doubling."""
+        stream = self._importance.get(req_idx)
+        if stream is None:
+            stream = self._importance[req_idx] = _WeightStream(np.random.default_rng([self.seed, req_idx]))
+        if stream.num_drawn < num_tokens:
             p = self.profile
-            # twice the length asked for: the stream's first values do not depend on how many
-            # are drawn, so drawing ahead only saves regenerating it as the request grows
-            capacity = max(2 * num_tokens, 2 * (weights.size if weights is not None else 256))
-            rng = np.random.default_rng([self.seed, req_idx])
-            weights = rng.pareto(p.pareto_alpha, capacity) + 1.0
-            weights[: p.num_sink_tokens] *= p.sink_boost
-            self._importance[req_idx] = weights
+            is_first = stream.num_drawn == 0
+            stream.draw(p.pareto_alpha, num_tokens + WEIGHTS_DRAWN_AHEAD)
+            if is_first:
+                stream.values[: p.num_sink_tokens] *= p.sink_boost
             self._max_ages.pop(req_idx, None)
-        return weights
+        return stream.values[: stream.num_drawn]
 
     def _max_age(self, req_idx: int, weights: np.ndarray) -> np.ndarray:
         """max_age_j, the largest query distance at which a(q, j) >= theta: a function of w_j
@@ -330,3 +334,22 @@ def _cumulative_recency(age: np.ndarray, tau: float, beta: float) -> np.ndarray:
     if beta == 1.0:
         return 1.0 + tau * np.log1p(age / tau)
     return 1.0 + tau * ((1.0 + age / tau) ** (1.0 - beta) - 1.0) / (1.0 - beta)
+
+
+
+class _WeightStream:
+    """One request's w_j = 1 + Pareto(alpha) draws, in a buffer grown by doubling."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.values = np.zeros(0)
+        self.num_drawn = 0
+
+    def draw(self, alpha: float, num_values: int) -> None:
+        """Continue the stream up to `num_values` values."""
+        if num_values > self.values.size:
+            grown = np.empty(max(num_values, 2 * self.values.size))
+            grown[: self.num_drawn] = self.values[: self.num_drawn]
+            self.values = grown
+        self.values[self.num_drawn : num_values] = self.rng.pareto(alpha, num_values - self.num_drawn) + 1.0
+        self.num_drawn = num_values
