@@ -478,11 +478,40 @@ def test_adopt_blocks_puts_relocation_destinations_before_the_tail() -> None:
 
 
 def release_empty_blocks(table: TokenTable) -> list[int]:
-    held = np.asarray(table.held_block_ids[table.num_pinned_blocks :], dtype=np.int64)
-    emptied = held[table.pool.live_counts[held] == 0]
-    table.release_blocks(emptied)
+    emptied = table.release_empty_blocks()
     table.pool.free(emptied)
     return emptied.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_prefix_blocks=st.integers(0, 2), num_tokens=st.integers(1, 40), data=st.data())
+def test_release_empty_blocks_is_release_blocks_of_every_empty_block_past_the_prefix(num_prefix_blocks: int, num_tokens: int,
+                                                                                      data: st.DataObject) -> None:
+    """Evictions without releasing (a request with a copy in flight), then one call: the same
+    state as `release_blocks` of the held blocks past the shared prefix with no live token, the
+    tail among them, and those blocks returned in held order."""
+    tables = []
+    for _ in range(2):
+        pool = make_pool(32)
+        owner = make_table(pool, num_prefix_blocks * S, req_id=9)
+        owner.pin_prefix(num_prefix_blocks * S)
+        table = TokenTable(0, pool)
+        prefix = owner.held_block_ids.copy()
+        pool.share(prefix)
+        table.attach_shared_prefix(prefix, prefix.size * S)
+        grow(table, num_tokens)
+        tables.append(table)
+    unpinned = list(range(num_prefix_blocks * S, tables[0].num_tokens))
+    victims = data.draw(st.lists(st.sampled_from(unpinned), unique=True) if unpinned else st.just([]))
+    for table in tables:
+        table.evict_tokens(np.array(sorted(victims), dtype=np.int64))
+    by_hand, by_call = tables
+    held = by_hand.held_block_ids[by_hand.num_pinned_blocks :].copy()
+    expected = held[by_hand.pool.live_counts[held] == 0]
+    by_hand.release_blocks(expected)
+    assert by_call.release_empty_blocks().tolist() == expected.tolist()
+    assert_unchanged(state(by_hand), by_call)
+    assert by_call.layout_version == by_hand.layout_version
 
 
 def test_a_block_reported_empty_during_a_copy_is_refilled_by_it() -> None:

@@ -324,14 +324,7 @@ class Runtime:
             return
         lives_before = [table.live_token_ids() for table in tables] if self._is_observed else [None] * len(tables)
         TokenTable.apply_moves_each(tables, [plan.moves for plan in landed], versions)
-        emptied = []
-        live_counts = self.pool.live_counts
-        for table in tables:
-            held = table.held_block_ids[table.num_pinned_blocks :]
-            table_emptied = held[live_counts[held] == 0]
-            table.release_blocks(table_emptied)
-            emptied.append(table_emptied)
-        self.pool.free(np.concatenate(emptied))
+        self.pool.free(np.concatenate([table.release_empty_blocks() for table in tables]))
         counts = self._counts
         for plan, table, live_before in zip(landed, tables, lives_before):
             counts["tokens_moved"] += plan.num_tokens_moved

@@ -15,6 +15,7 @@ import numpy as np
 
 from vtoken.errors import VTokenError
 from vtoken.kv.arrays import block_slots, is_distinct, isin, positions_in, sum_by_block
+from vtoken.kv.block_pool import NO_BLOCKS
 from vtoken.kv.moves import Moves
 
 if TYPE_CHECKING:
@@ -161,6 +162,27 @@ class RelocationVerbs:
             self._tail_slot = int(kept[-1]) * self.block_size if kept.size else 0
             self.tail_num_written = self._cursor_after_last_live()
         self.layout_version += 1
+
+    def release_empty_blocks(self) -> np.ndarray:
+        """`release_blocks` of every block past the pinned prefix that holds no live token (what
+        a relocation that landed leaves: its sources, and any block evicted empty while its copy
+        was in flight), found and released in one pass. Returns them, in held order, for the
+        caller to free."""
+        self.flush()
+        start = self.num_pinned_tokens // self.block_size
+        held = self._held[start : self._num_held]
+        is_empty = self.pool.live_counts[held] == 0
+        if not is_empty.any():
+            return NO_BLOCKS
+        released, kept = held[is_empty], held[~is_empty]
+        tail_released = bool(is_empty[-1])
+        self._held[start : start + kept.size] = kept
+        self._num_held = start + kept.size
+        if tail_released:
+            self._tail_slot = int(self._held[self._num_held - 1]) * self.block_size if self._num_held else 0
+            self.tail_num_written = self._cursor_after_last_live()
+        self.layout_version += 1
+        return released
 
     def set_tail_cursor(self, num_written: int) -> None:
         """Move the append cursor of the tail block, after a compaction packed its live tokens
