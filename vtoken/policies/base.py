@@ -189,11 +189,15 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     candidate_scores = scores[lo:hi]
     # O(n) selection instead of a full sort: everything strictly below the k-th smallest score,
     # then as many of the ties at that score as still fit, oldest first (candidates ascend).
+    # Without ties past the k-th (the usual case for real-valued scores) that is every score
+    # up to it.
     kth_score = np.partition(candidate_scores, num_evict - 1)[num_evict - 1]
-    below = candidate_scores < kth_score
-    tied_idx = np.flatnonzero(candidate_scores == kth_score)[: num_evict - int(np.count_nonzero(below))]
-    below[tied_idx] = True
-    return view.token_ids[lo:hi][below].astype(np.int64, copy=False)
+    chosen = candidate_scores <= kth_score
+    if np.count_nonzero(chosen) > num_evict:
+        chosen = candidate_scores < kth_score
+        tied_idx = np.flatnonzero(candidate_scores == kth_score)[: num_evict - int(np.count_nonzero(chosen))]
+        chosen[tied_idx] = True
+    return view.token_ids[lo:hi][chosen].astype(np.int64, copy=False)
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:
