@@ -34,8 +34,10 @@ Victims are chosen outside the timed region (that is the policy's cost). check_p
 check the runtime runs on every plan) is not included; its cost per plan is reported apart.
 
 Two smaller tables: the step's evictions one `evict_tokens` call per request against one
-`evict_one_each` call (the same victims on identical states, alternated), and the tokens the
-two reclamation modes move per block they free.
+`evict_one_each` call (the same victims on identical states, alternated), with finding and
+shifting each slot list's entry alone beside them (what a dense host slot list costs per
+eviction at the least), and
+the tokens the two reclamation modes move per block they free.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class EvictPathRow:
     context_tokens: int
     per_table_us: float  # per step, all requests: one evict_tokens call per request
     batched_us: float  # one evict_one_each call
+    shifts_us: float  # finding and shifting each slot list's entry alone (`time_slot_shifts`)
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,33 @@ def measure_evict_paths(num_requests: int, context_tokens: int, num_steps: int, 
             (per_table_s if path == 0 else batched_s).append(clock() - started)
             for table in run.tables:
                 table.slots()
-    return EvictPathRow(num_requests, context_tokens, 1e6 * statistics.fmean(per_table_s), 1e6 * statistics.fmean(batched_s))
+    return EvictPathRow(num_requests, context_tokens, 1e6 * statistics.fmean(per_table_s), 1e6 * statistics.fmean(batched_s),
+                        time_slot_shifts(num_requests, context_tokens, num_steps, clock))
+
+
+def time_slot_shifts(num_requests: int, context_tokens: int, num_steps: int, clock) -> float:
+    """Microseconds per step of what a dense slot list needs per eviction and nothing else: R
+    lists of L int64 slots and L live bits in separate buffers (as each table keeps its own),
+    each finding one random entry by counting the live bits on its nearer side and shifting
+    that side over it, as `SlotCache.remove_token` does (a count_nonzero and a memoryview
+    copy). The least that keeping the list dense on the host costs, whatever does the
+    bookkeeping around it: memory traffic of about L / 4 slots and L / 4 live bits each."""
+    rng = np.random.default_rng(5)
+    lives = [np.ones(context_tokens, dtype=bool) for _ in range(num_requests)]
+    views = [memoryview(np.arange(context_tokens, dtype=np.int64)) for _ in range(num_requests)]
+    step_s = []
+    for _ in range(2 * num_steps):  # the first half warms up
+        positions = rng.integers(1, context_tokens - 1, num_requests).tolist()
+        started = clock()
+        for live, view, token_id in zip(lives, views, positions):
+            if 2 * token_id < context_tokens:
+                idx = np.count_nonzero(live[:token_id])
+                view[1 : idx + 1] = view[:idx]
+            else:
+                idx = context_tokens - 1 - np.count_nonzero(live[token_id + 1 :])
+                view[idx : context_tokens - 1] = view[idx + 1 :]
+        step_s.append(clock() - started)
+    return 1e6 * statistics.fmean(step_s[num_steps:])
 
 
 def measure_moves(num_requests: int, context_tokens: int, num_steps: int) -> list[MovesRow]:
@@ -317,9 +346,11 @@ def format_evict(rows: list[EvictRow]) -> str:
 
 
 def format_evict_paths(rows: list[EvictPathRow]) -> str:
-    header = f"{'requests x context':<18} {'per table us/step':>17} {'evict_one_each us/step':>22} {'x per table':>11}"
+    header = (f"{'requests x context':<18} {'per table us/step':>17} {'evict_one_each us/step':>22} {'x per table':>11} "
+              f"{'find + shift alone us/step':>26} {'% of evict_one_each':>19}")
     return table(header, [f"{size_name(r.num_requests, r.context_tokens):<18} {r.per_table_us:>17.0f} {r.batched_us:>22.0f} "
-                          f"{r.batched_us / r.per_table_us:>11.2f}" for r in rows])
+                          f"{r.batched_us / r.per_table_us:>11.2f} {r.shifts_us:>26.0f} {100 * r.shifts_us / r.batched_us:>19.0f}"
+                          for r in rows])
 
 
 def format_moves(rows: list[MovesRow]) -> str:
@@ -388,7 +419,8 @@ def main() -> None:
     print(format_evict(evicts))
     print("check_plan (the I4 check the runtime runs on every plan; not in the figures above), us per plan: "
           + ", ".join(f"{size_name(r.num_requests, r.context_tokens)} {r.cadence} {r.check_plan_us_per_plan:.0f}" for r in evicts))
-    print("\na step's evictions, one evict_tokens per request against one evict_one_each (us per step)")
+    print("\na step's evictions, one evict_tokens per request against one evict_one_each, and finding and shifting "
+          "each slot list's entry alone (us per step)")
     print(format_evict_paths(paths))
     print(f"\ntokens moved per freed block, {size_name(*moves_size)}, same eviction sequence for both modes")
     print(format_moves(moves))
