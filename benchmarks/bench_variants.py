@@ -3,17 +3,25 @@ TRACE --open-loop --no-sweep --no-frontier --variants V` replays (default model,
 budget, H2O at 50%). Host seconds, not a test.
 
     python benchmarks/bench_variants.py [--azure PATH] [--rounds 2] [--max-requests N] [--eviction-interval T]
+                                        [--variants V,...] [--phases]
 
 The trace is read once; a short replay of every variant warms up (imports, first allocations)
 and is not counted; then each round replays every variant, the order reversed every other
 round, so that a slow spell of the machine hits all of them. Per variant: wall seconds
 (RunResult.host_time_s) and this process's CPU seconds, median and range over the rounds, and
 each median over native's. Every round must give the same results (checked).
+
+`--phases`: after the rounds, one more replay of every variant with the runtime's phases timed
+(CPU seconds, calls and microseconds per call of Runtime.schedule, execute and postprocess, and
+inside them eviction events, `_evict`, and reclamation rounds, `_reclaim`, which the schedule's
+pressure packing and an eviction's layout trigger call too): where a variant's time goes. The
+timers wrap the methods, about a microsecond a call, so this replay is not one of the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import time
@@ -21,7 +29,7 @@ from pathlib import Path
 
 from vtoken import defaults
 from vtoken.compare import variant_to_json
-from vtoken.engine import VARIANTS, Experiment, run_sim
+from vtoken.engine import VARIANTS, Experiment, Runtime, run_sim
 from vtoken.engine.experiment import EvictionConfig
 from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
 from vtoken.model_spec import resolve_model
@@ -30,6 +38,7 @@ from vtoken.trace import load_trace, within_context
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 NUM_WARMUP_REQUESTS = 100
+PHASES = ("schedule", "execute", "postprocess", "_evict", "_reclaim")  # Runtime methods --phases times
 
 
 def main() -> None:
@@ -40,6 +49,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--eviction-interval", type=int, default=defaults.EVICTION_INTERVAL_TOKENS,
                         help="the policy runs every T generated tokens (1: every request evicts every step)")
+    parser.add_argument("--phases", action="store_true", help="then one replay per variant with the runtime's phases timed")
     args = parser.parse_args()
     model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
     num_blocks = num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE)
@@ -77,6 +87,39 @@ def main() -> None:
               f"{statistics.median(cpu):13.1f} ({min(cpu):6.1f}-{max(cpu):6.1f}) {ratios}")
     print(f"same results in every round: {all(all(r == rs[0] for r in rs) for rs in results.values())}; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
+    if args.phases:
+        print(f"\n{'variant':12s} {'phase':12s} {'CPU s':>8s} {'calls':>8s} {'us per call':>11s}")
+        for variant in variants:
+            seconds, calls = timed_phases(lambda: run_sim(experiment.run(variant, None), requests))
+            for phase in PHASES:
+                if calls[phase]:
+                    print(f"{variant:12s} {phase:12s} {seconds[phase]:8.2f} {calls[phase]:8d} {1e6 * seconds[phase] / calls[phase]:11.1f}")
+
+
+def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:
+    """CPU seconds and calls of each of PHASES while `replay()` runs (Runtime's methods wrapped,
+    then restored)."""
+    seconds, calls = collections.Counter(), collections.Counter()
+    originals = {phase: getattr(Runtime, phase) for phase in PHASES}
+
+    def timed(phase: str, method):
+        def call(*args, **kwargs):
+            started = time.process_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[phase] += time.process_time() - started
+                calls[phase] += 1
+        return call
+
+    for phase, method in originals.items():
+        setattr(Runtime, phase, timed(phase, method))
+    try:
+        replay()
+    finally:
+        for phase, method in originals.items():
+            setattr(Runtime, phase, method)
+    return seconds, calls
 
 
 if __name__ == "__main__":
