@@ -94,6 +94,7 @@ class EvictRow:
     reclaim_us: float
     slots_us: float
     plans_per_step: float
+    moved_per_round: float  # tokens moved per round that launched plans, median repetition
     mean_range_us: tuple[float, float]  # min-max over repetitions of the mean evict + reclaim
     worst_us: float  # the worst step's evict + reclaim, median repetition
     worst_range_us: tuple[float, float]
@@ -216,10 +217,11 @@ def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, 
     """default: a cycle's mean, its ordinary steps weighted by their number and the round once
     (`time_cycle`); the other cadences: the mean of `num_paced_steps` steps."""
     step_us = modelled_step_us(num_requests, context_tokens)
-    means, worst, plans_per_step, num_steps, check_us = [], [], [], [], 0.0
+    means, worst, plans_per_step, moved_per_round, num_steps, check_us = [], [], [], [], [], 0.0
     for repeat_idx in range(num_repeats):
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
         num_plans_before, first_step_idx = run.num_plans, run.step_idx
+        num_moved_before, num_rounds_before = run.num_tokens_moved, run.num_rounds
         if cadence == "default":
             ordinary, round_parts, cycle_steps = time_cycle(run)
             mean = (ordinary.sum(axis=0) * (cycle_steps - 1) / max(len(ordinary), 1) + round_parts) / cycle_steps
@@ -231,6 +233,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, 
         worst.append(1e6 * float((parts[:, 1] + parts[:, 2]).max()))
         num_steps.append(run.step_idx - first_step_idx)
         plans_per_step.append((run.num_plans - num_plans_before) / num_steps[-1])
+        moved_per_round.append((run.num_tokens_moved - num_moved_before) / max(run.num_rounds - num_rounds_before, 1))
         if repeat_idx == 0:
             check_us = time_check_plan_us(run)
     bookkeeping = [float(m[1] + m[2]) for m in means]
@@ -238,7 +241,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, 
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
     budget = run.reclaimer.config.max_moves_per_round
     return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], growth_us, evict_us, reclaim_us, slots_us,
-                    plans_per_step[median], (min(bookkeeping), max(bookkeeping)), worst[median], (min(worst), max(worst)),
+                    plans_per_step[median], moved_per_round[median], (min(bookkeeping), max(bookkeeping)), worst[median], (min(worst), max(worst)),
                     check_us, step_us)
 
 
@@ -331,7 +334,7 @@ def verdict(share: float) -> str:
 
 def format_evict(rows: list[EvictRow]) -> str:
     header = (f"{'requests x context':<18} {'cadence':<10} {'moves/round':>11} {'steps':>5} {'growth':>7} {'evict':>8} {'reclaim':>8} "
-              f"{'slots':>7} {'plans/step':>10} {'step ms':>8} {'evict+reclaim [min-max]':>25} {'% of step':>9} {'1%':>6} "
+              f"{'slots':>7} {'plans/step':>10} {'moved/round':>11} {'step ms':>8} {'evict+reclaim [min-max]':>25} {'% of step':>9} {'1%':>6} "
               f"{'worst step [min-max]':>24} {'% of step':>9} {'1%':>6}")
     lines = []
     for r in rows:
@@ -339,7 +342,7 @@ def format_evict(rows: list[EvictRow]) -> str:
         mean_range = f"{r.bookkeeping_us:,.0f} [{r.mean_range_us[0]:,.0f}-{r.mean_range_us[1]:,.0f}]"
         worst_range = f"{r.worst_us:,.0f} [{r.worst_range_us[0]:,.0f}-{r.worst_range_us[1]:,.0f}]"
         lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<10} {budget:>11} {r.num_steps:>5} {r.growth_us:>7.0f} "
-                     f"{r.evict_us:>8.0f} {r.reclaim_us:>8.0f} {r.slots_us:>7.0f} {r.plans_per_step:>10.2f} "
+                     f"{r.evict_us:>8.0f} {r.reclaim_us:>8.0f} {r.slots_us:>7.0f} {r.plans_per_step:>10.2f} {r.moved_per_round:>11,.0f} "
                      f"{r.modelled_step_us / 1000:>8.1f} {mean_range:>25} {100 * r.step_share:>9.2f} {verdict(r.step_share):>6} "
                      f"{worst_range:>24} {100 * r.worst_step_share:>9.2f} {verdict(r.worst_step_share):>6}")
     return table(header, lines)
