@@ -36,8 +36,7 @@ check the runtime runs on every plan) is not included; its cost per plan is repo
 Two smaller tables: the step's evictions one `evict_tokens` call per request against one
 `evict_one_each` call (the same victims on identical states, alternated), with finding and
 shifting each slot list's entry alone beside them (what a dense host slot list costs per
-eviction at the least), and
-the tokens the two reclamation modes move per block they free.
+eviction at the least), and the tokens the two reclamation modes move per block they free.
 """
 
 from __future__ import annotations
@@ -121,7 +120,7 @@ class EvictPathRow:
     context_tokens: int
     per_table_us: float  # per step, all requests: one evict_tokens call per request
     batched_us: float  # one evict_one_each call
-    shifts_us: float  # finding and shifting each slot list's entry alone (`time_slot_shifts`)
+    find_shift_us: float  # finding and shifting each slot list's entry alone (`time_find_and_shift`)
 
 
 @dataclass(frozen=True)
@@ -271,10 +270,10 @@ def measure_evict_paths(num_requests: int, context_tokens: int, num_steps: int, 
             for table in run.tables:
                 table.slots()
     return EvictPathRow(num_requests, context_tokens, 1e6 * statistics.fmean(per_table_s), 1e6 * statistics.fmean(batched_s),
-                        time_slot_shifts(num_requests, context_tokens, num_steps, clock))
+                        time_find_and_shift(num_requests, context_tokens, num_steps, clock))
 
 
-def time_slot_shifts(num_requests: int, context_tokens: int, num_steps: int, clock) -> float:
+def time_find_and_shift(num_requests: int, context_tokens: int, num_steps: int, clock) -> float:
     """Microseconds per step of what a dense slot list needs per eviction and nothing else: R
     lists of L int64 slots and L live bits in separate buffers (as each table keeps its own),
     each finding one random entry by counting the live bits on its nearer side and shifting
@@ -352,7 +351,7 @@ def format_evict_paths(rows: list[EvictPathRow]) -> str:
     header = (f"{'requests x context':<18} {'per table us/step':>17} {'evict_one_each us/step':>22} {'x per table':>11} "
               f"{'find + shift alone us/step':>26} {'% of evict_one_each':>19}")
     return table(header, [f"{size_name(r.num_requests, r.context_tokens):<18} {r.per_table_us:>17.0f} {r.batched_us:>22.0f} "
-                          f"{r.batched_us / r.per_table_us:>11.2f} {r.shifts_us:>26.0f} {100 * r.shifts_us / r.batched_us:>19.0f}"
+                          f"{r.batched_us / r.per_table_us:>11.2f} {r.find_shift_us:>26.0f} {100 * r.find_shift_us / r.batched_us:>19.0f}"
                           for r in rows])
 
 

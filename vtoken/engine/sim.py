@@ -273,14 +273,12 @@ class SimExecutor:
         doubling."""
         stream = self._importance.get(req_idx)
         if stream is None:
-            stream = self._importance[req_idx] = _WeightStream(np.random.default_rng([self.seed, req_idx]))
-        if stream.num_drawn < num_tokens:
             p = self.profile
-            is_first = stream.num_drawn == 0
-            stream.draw(p.pareto_alpha, num_tokens + WEIGHTS_DRAWN_AHEAD)
-            if is_first:
-                stream.values[: p.num_sink_tokens] *= p.sink_boost
-            self._max_ages.pop(req_idx, None)
+            stream = self._importance[req_idx] = _WeightStream(np.random.default_rng([self.seed, req_idx]), p.pareto_alpha,
+                                                              p.num_sink_tokens, p.sink_boost)
+        if stream.num_drawn < num_tokens:
+            stream.draw(num_tokens + WEIGHTS_DRAWN_AHEAD)
+            self._max_ages.pop(req_idx, None)  # computed from the values drawn so far
         return stream.values[: stream.num_drawn]
 
     def _max_age(self, req_idx: int, weights: np.ndarray) -> np.ndarray:
@@ -338,18 +336,23 @@ def _cumulative_recency(age: np.ndarray, tau: float, beta: float) -> np.ndarray:
 
 
 class _WeightStream:
-    """One request's w_j = 1 + Pareto(alpha) draws, in a buffer grown by doubling."""
+    """One request's w_j = 1 + Pareto(alpha), the first `num_sink_tokens` times `sink_boost`,
+    drawn on demand into a buffer grown by doubling."""
 
-    def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
+    def __init__(self, rng: np.random.Generator, alpha: float, num_sink_tokens: int, sink_boost: float) -> None:
+        self.rng, self.alpha = rng, alpha
+        self.num_sink_tokens, self.sink_boost = num_sink_tokens, sink_boost
         self.values = np.zeros(0)
         self.num_drawn = 0
 
-    def draw(self, alpha: float, num_values: int) -> None:
+    def draw(self, num_values: int) -> None:
         """Continue the stream up to `num_values` values."""
+        start = self.num_drawn
         if num_values > self.values.size:
             grown = np.empty(max(num_values, 2 * self.values.size))
-            grown[: self.num_drawn] = self.values[: self.num_drawn]
+            grown[:start] = self.values[:start]
             self.values = grown
-        self.values[self.num_drawn : num_values] = self.rng.pareto(alpha, num_values - self.num_drawn) + 1.0
+        self.values[start:num_values] = self.rng.pareto(self.alpha, num_values - start) + 1.0
+        if start < self.num_sink_tokens:
+            self.values[start : min(self.num_sink_tokens, num_values)] *= self.sink_boost
         self.num_drawn = num_values

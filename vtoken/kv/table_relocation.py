@@ -154,35 +154,34 @@ class RelocationVerbs:
             raise VTokenError(f"request {self.req_id}: releasing blocks it does not hold {np.setdiff1d(released, held).tolist()}")
         if self.pool.live_counts[released].any():  # the pool counts what the tables hold (I2)
             raise VTokenError(f"request {self.req_id}: releasing blocks that still hold live tokens")
-        tail_released = bool(is_released[-1])
-        kept = held[~is_released]
-        self._num_held = kept.size
-        self._held[: kept.size] = kept
-        if tail_released:
-            self._tail_slot = int(kept[-1]) * self.block_size if kept.size else 0
-            self.tail_num_written = self._cursor_after_last_live()
-        self.layout_version += 1
+        self._drop_held(0, is_released)
 
     def release_empty_blocks(self) -> np.ndarray:
         """`release_blocks` of every block past the pinned prefix that holds no live token (what
         a relocation that landed leaves: its sources, and any block evicted empty while its copy
-        was in flight), found and released in one pass. Returns them, in held order, for the
-        caller to free."""
+        was in flight), found by the pool's counts and released in one pass, without the checks
+        that blocks named by a caller need. Returns them, in held order, for the caller to free."""
         self.flush()
         start = self.num_pinned_tokens // self.block_size
         held = self._held[start : self._num_held]
         is_empty = self.pool.live_counts[held] == 0
         if not is_empty.any():
             return NO_BLOCKS
-        released, kept = held[is_empty], held[~is_empty]
-        tail_released = bool(is_empty[-1])
+        released = held[is_empty]
+        self._drop_held(start, is_empty)
+        return released
+
+    def _drop_held(self, start: int, is_dropped: np.ndarray) -> None:
+        """Forget the held blocks from position `start` on that `is_dropped` marks (one entry
+        per block from there to the tail). When the tail goes, the block before it becomes the
+        tail and the cursor moves to the end of its last live token."""
+        kept = self._held[start : self._num_held][~is_dropped]
         self._held[start : start + kept.size] = kept
         self._num_held = start + kept.size
-        if tail_released:
+        if is_dropped[-1]:
             self._tail_slot = int(self._held[self._num_held - 1]) * self.block_size if self._num_held else 0
             self.tail_num_written = self._cursor_after_last_live()
         self.layout_version += 1
-        return released
 
     def set_tail_cursor(self, num_written: int) -> None:
         """Move the append cursor of the tail block, after a compaction packed its live tokens
