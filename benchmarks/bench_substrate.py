@@ -277,7 +277,7 @@ def time_find_and_shift(num_requests: int, context_tokens: int, num_steps: int, 
     """Microseconds per step of what a dense slot list needs per eviction and nothing else: R
     lists of L int64 slots and L live bits in separate buffers (as each table keeps its own),
     each finding one random entry by counting the live bits on its nearer side and shifting
-    that side over it, as `SlotCache.remove_token` does (a count_nonzero and a memoryview
+    that side over it, as `SlotCache` does for a removal (a count_nonzero and a memoryview
     copy). The least that keeping the list dense on the host costs, whatever does the
     bookkeeping around it: memory traffic of about L / 4 slots and L / 4 live bits each."""
     rng = np.random.default_rng(5)

@@ -690,12 +690,61 @@ def test_slot_cache_drops_entries_near_either_end_and_grows_at_the_back() -> Non
     cache, live = SlotCache(), np.ones(10, dtype=bool)
     cache.reset(10)[:] = np.arange(100, 110)
     for token_id in (1, 8, 0, 9):  # front, back, front, back: the shorter side shifts
-        cache.remove_token(live, token_id, 10)
+        cache.remove_later(token_id)
         live[token_id] = False
+        cache.catch_up(live, 10)
     assert cache.slots().tolist() == [102, 103, 104, 105, 106, 107]
     cache.append(np.arange(200, 300))  # past the buffer's room: a new buffer, same entries
     cache.append_one(7)
     assert cache.slots().tolist() == [102, 103, 104, 105, 106, 107, *range(200, 300), 7]
+
+
+@pytest.mark.parametrize("removed", [(3,), (7, 2), (2, 7), (0, 1, 9, 8), (4, 5, 6, 3), (9, 0, 5, 4)])
+def test_slot_cache_drops_every_pending_removal_at_the_next_read(removed) -> None:
+    """Removals recorded between reads, near either end and in any order, then appends:
+    the read gives the live tokens' slots in logical order."""
+    from vtoken.kv.slot_cache import SlotCache
+
+    cache, live = SlotCache(), np.ones(12, dtype=bool)
+    cache.reset(10)[:] = np.arange(100, 110)
+    for token_id in removed:
+        cache.remove_later(token_id)
+        live[token_id] = False
+    cache.append(np.array([110, 111]))  # tokens 10 and 11 arrive after the removals
+    assert cache.has_pending and cache.is_valid
+    cache.catch_up(live, 12)
+    assert cache.slots().tolist() == (100 + np.flatnonzero(live)).tolist()
+    assert not cache.has_pending
+
+
+def test_slot_cache_past_its_pending_removals_is_dropped_for_a_rebuild() -> None:
+    from vtoken.kv.slot_cache import MAX_PENDING_REMOVALS, SlotCache
+
+    cache = SlotCache()
+    cache.reset(20)[:] = np.arange(20)
+    for token_id in range(MAX_PENDING_REMOVALS):
+        cache.remove_later(token_id)
+    assert cache.is_valid
+    cache.remove_later(MAX_PENDING_REMOVALS)
+    assert not cache.is_valid and not cache.has_pending
+
+
+def test_an_eviction_leaves_the_slot_list_to_its_next_read() -> None:
+    """Single evictions touch no slot list: none is built until a read, and one that was read
+    keeps its entries until the next read drops them."""
+    table = make_table(make_pool(), 40)
+    table.evict_tokens(np.array([3]))
+    assert not table._cache.is_valid  # nothing read it: nothing built
+    assert table.slots().tolist() == brute_force_slots(table)
+    for token_id in (30, 5, 17):
+        table.evict_tokens(np.array([token_id]))
+    assert table._cache.has_pending
+    grow(table, 3)
+    assert table.slots().tolist() == brute_force_slots(table)
+    for token_id in range(6, 16):  # more than the cache keeps pending: rebuilt at the read
+        table.evict_tokens(np.array([token_id]))
+    assert not table._cache.is_valid
+    assert table.slots().tolist() == brute_force_slots(table)
 
 
 def test_readers_get_read_only_views():

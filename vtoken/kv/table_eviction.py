@@ -1,10 +1,10 @@
 """Eviction verbs of the token table: mark tokens dead, metadata only (no KV moves).
 
 A mixin of `TokenTable` (token_table.py owns the state these methods read and write). Eviction
-clears live bits, removes the tokens from the pool's reverse map and live counts, and keeps the
-slot list dense: a single victim shifts the shorter side of the cached list by one (O(L) memory
-traffic), a batch invalidates it for the next `slots()` to rebuild. The blocks it empties are
-returned for the caller to release and free.
+clears live bits and removes the tokens from the pool's reverse map and live counts; the slot
+list is its reader's (`slots()`): a single victim is recorded for the next read to drop, a batch
+invalidates the list for the next read to rebuild. The blocks it empties are returned for the
+caller to release and free.
 """
 
 from __future__ import annotations
@@ -107,15 +107,9 @@ class EvictionVerbs:
         nothing else may call this."""
         if self._num_pending and 0 <= slot - self._tail_slot < self.block_size:
             self.flush()  # the tail's count must be whole before it can tell whether the block emptied
-        live = self._live
-        if not self._num_dead:  # the first dead token: the cache starts as every slot but this one
-            num_tokens = self.num_tokens
-            cache = self._cache.reset(num_tokens - 1)
-            cache[:token_id] = self._slot[:token_id]
-            cache[token_id:] = self._slot[token_id + 1 : num_tokens]
-        elif self._cache.is_valid:
-            self._cache.remove_token(live, token_id, self.num_tokens)
-        live[token_id] = False
+        if self._cache.is_valid:  # the slot list's reader drops the entry when it next reads
+            self._cache.remove_later(token_id)
+        self._live[token_id] = False
         self._num_dead += 1
         self.layout_version += 1
 

@@ -23,9 +23,10 @@ pool's total live count is bumped at once, the tail block's count and the revers
 lazily, on the table's next other operation or when the pool is read (`BlockPool.live_counts`,
 `token_at`, the histogram), so every read sees exact numbers. Until the first eviction every
 token is live, and the slot list (Eq. 2) is the per-token slot array itself; after it, a
-separate slot cache is kept: an evicted token's entry goes by shifting the shorter side of the
-cache by one (O(L) memory traffic, no allocation), and a batch eviction or a relocation makes
-the next `slots()` rebuild it. Reclamation reads `token_at`, so planning and applying cost
+separate slot cache is built by the first `slots()` and kept for the reads after it: an
+eviction only records the token, and the next read drops its entry (slot_cache.py), so an
+eviction costs O(1) whether or not anything reads the list; a batch eviction or a relocation
+makes the next read rebuild it. Reclamation reads `token_at`, so planning and applying cost
 O(blocks touched x S), not O(L). A `slots()` result is a view, valid until the table changes.
 """
 
@@ -122,14 +123,19 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
     def slots(self) -> np.ndarray:
         """Physical slots of the live tokens in logical order (Eq. 2): block_id * S + offset.
 
-        A view that stays valid until the table next changes (copy it to keep it). Appended to
-        as the sequence grows; rebuilt only after a batch eviction or a relocation.
+        A view that stays valid until the table next changes (copy it to keep it). Built on
+        the first read after a token died; then appended to as the sequence grows, the entries
+        of single evictions dropped at the next read, and rebuilt after a batch eviction or a
+        relocation (slot_cache.py).
         """
         if not self._num_dead:
             return self._slot[: self.num_tokens]
-        if not self._cache.is_valid:
+        cache = self._cache
+        if not cache.is_valid:
             self._rebuild_slot_cache()
-        return self._cache.slots()
+        elif cache.has_pending:
+            cache.catch_up(self._live, self.num_tokens)
+        return cache.slots()
 
     def _rebuild_slot_cache(self) -> None:
         live_slots = self._slot[: self.num_tokens][self._live[: self.num_tokens]]
