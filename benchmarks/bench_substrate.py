@@ -15,14 +15,17 @@ kinds of table:
 With eviction, each step adds one eviction per request from the unprotected middle (a random
 live token outside the sinks and the recent window: one in, one out, as at a policy's steady
 state), all of a step's evictions in one `TokenTable.evict_one_each` call and the blocks they
-emptied in one `BlockPool.free`, and the reclaimer, whose round frees its source blocks in one
+emptied in one `BlockPool.free`, and the reclaimer, whose step frees its source blocks in one
 call too. evict = that eviction call with releasing and freeing; reclaim = planning, applying
-and freeing. The default cadence is measured over one whole cycle of it (from just after a
-round to the end of the next), so that its mean amortizes the round: 64 timed steps after the
-round, then (untimed) 32 steps at a time in bulk while F is more than 0.005 below theta_F,
-then timed steps up to and including the next round; the mean weighs the timed ordinary
-steps by the cycle's length. The paced cadence is timed over a window of steps after its
-first round.
+and freeing; slots = every request's `slots()`, what a reader of the dense host slot list (the
+hf executor's attention) pays to bring it up to date after the step's evictions (the sim and
+vLLM executors never read it). The round cadences (default, whole-round) are measured over one
+whole cycle (from the step a round ends in to the step the next one ends in), so that the mean
+amortizes the round: 64 timed steps after the round, then (untimed) 32 steps at a time in bulk
+while F is more than 0.005 below theta_F, then timed steps up to and including the end of the
+next round; the mean weighs the timed ordinary steps by their number in the cycle and adds
+every step of the round. The paced cadence is timed over a window of steps after its first
+round.
 
 Times are host microseconds of this process's CPU time (time.process_time; on a machine shared
 with other work wall time measures the others' load; `--wall` uses time.perf_counter). Each
@@ -50,7 +53,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from substrate_workload import (
     BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, choose_victims, grow_one,
-    make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_round, reclaim_config,
+    ROUND_CADENCES, make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_step, reclaim_config,
 )
 
 from vtoken.invariants import check_plan
@@ -86,8 +89,9 @@ class EvictRow:
     num_requests: int
     context_tokens: int
     cadence: str
-    max_moves_per_round: int | None
-    num_steps: int  # measured steps of the median repetition (default: one cycle)
+    max_moves_per_step: int | None
+    num_steps: int  # measured steps of the median repetition (the round cadences: one cycle)
+    num_round_steps: int  # of them, steps the reclaimer planned in (a round started or went on)
     growth_us: float  # per step, all requests, median repetition; the four parts add up to the step
     evict_us: float
     reclaim_us: float
@@ -161,8 +165,8 @@ def measure_growth(num_requests: int, context_tokens: int, num_steps: int, num_r
 
 def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: float, seed: int, clock) -> EvictingRun:
     """A run in its steady state: waste just under theta_F (random dead tokens in every
-    request), then steps until just after a reclamation round (and a few more, paced)."""
-    num_steps = {"default": 2 * MAX_CYCLE_STEPS, "paced": 4096, "budget": 2048, "every-step": 1024}[cadence]
+    request), then steps until a reclamation round ended (and a few more, paced)."""
+    num_steps = {"default": 2 * MAX_CYCLE_STEPS, "whole-round": 2 * MAX_CYCLE_STEPS, "paced": 4096, "every-step": 1024}[cadence]
     run = EvictingRun(num_requests, context_tokens, num_steps, reclaim_config(cadence, step_us), every_step=cadence == "every-step",
                       seed=seed, clock=clock)
     if cadence == "every-step":
@@ -171,7 +175,7 @@ def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: fl
         return run
     run.prefragment(int(run.reclaimer.config.theta_f * context_tokens) - 2 * BLOCK_SIZE)
     run.run_until_a_round(MAX_CYCLE_STEPS)
-    if cadence != "default":
+    if cadence not in ROUND_CADENCES:
         run.run(PACED_WARMUP_STEPS)
     return run
 
@@ -195,39 +199,46 @@ def time_check_plan_us(run: EvictingRun, num_plans: int = 20) -> float:
 
 
 def time_cycle(run: EvictingRun) -> tuple[np.ndarray, np.ndarray, int]:
-    """One cycle of the default reclaimer, from just after a round to the end of the next:
-    ORDINARY_STEPS timed steps, then steps advanced in bulk while F is below theta_F by a
-    margin (untimed: what they cost is what the timed ones cost), then timed steps up to and
-    including the round. Returns the ordinary steps' parts, the round step's, and the cycle's
-    length in steps."""
+    """One cycle of a round cadence, from the step a round ended in to the step the next one
+    ends in: ORDINARY_STEPS timed steps, then steps advanced in bulk while F is below theta_F
+    by a margin and no round is in progress (untimed: what they cost is what the timed ordinary
+    steps cost), then timed steps up to the end of the next round. Returns the timed ordinary
+    steps' parts, the parts of the steps the reclaimer planned in (the round's), and the
+    cycle's length in steps."""
     theta_f, first_step_idx = run.reclaimer.config.theta_f, run.step_idx
-    num_rounds, parts = run.num_rounds, []
+    num_rounds, ordinary, in_round = run.num_rounds, [], []
     while run.num_rounds == num_rounds:
-        if len(parts) >= ORDINARY_STEPS and run.pool.waste_ratio() < theta_f - BULK_MARGIN_F:
+        if (len(ordinary) >= ORDINARY_STEPS and not run.reclaimer.is_round_in_progress
+                and run.pool.waste_ratio() < theta_f - BULK_MARGIN_F):
             run.advance_in_bulk(BULK_STEPS)
             continue
         if run.step_idx - first_step_idx >= MAX_CYCLE_STEPS:
-            raise RuntimeError(f"no reclamation round in {MAX_CYCLE_STEPS} steps (F = {run.pool.waste_ratio():.3f})")
-        parts.append(run.step(choose_victims(run.tables, run.rng, run.pattern)))
-    return np.array(parts[:-1]).reshape(-1, 4), np.array(parts[-1]), run.step_idx - first_step_idx
+            raise RuntimeError(f"no reclamation round ended in {MAX_CYCLE_STEPS} steps (F = {run.pool.waste_ratio():.3f})")
+        parts = run.step(choose_victims(run.tables, run.rng, run.pattern))
+        (in_round if run.is_round_step else ordinary).append(parts)
+    return np.array(ordinary).reshape(-1, 4), np.array(in_round).reshape(-1, 4), run.step_idx - first_step_idx
 
 
 def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, cadence: str, num_repeats: int, clock) -> EvictRow:
-    """default: a cycle's mean, its ordinary steps weighted by their number and the round once
-    (`time_cycle`); the other cadences: the mean of `num_paced_steps` steps."""
+    """The round cadences: a cycle's mean, its ordinary steps weighted by their number in it
+    and every step of the round added (`time_cycle`); the others: the mean of
+    `num_paced_steps` steps."""
     step_us = modelled_step_us(num_requests, context_tokens)
-    means, worst, plans_per_step, moved_per_round, num_steps, check_us = [], [], [], [], [], 0.0
+    means, worst, plans_per_step, moved_per_round, num_steps, num_round_steps, check_us = [], [], [], [], [], [], 0.0
     for repeat_idx in range(num_repeats):
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
         num_plans_before, first_step_idx = run.num_plans, run.step_idx
         num_moved_before, num_rounds_before = run.num_tokens_moved, run.num_rounds
-        if cadence == "default":
-            ordinary, round_parts, cycle_steps = time_cycle(run)
-            mean = (ordinary.sum(axis=0) * (cycle_steps - 1) / max(len(ordinary), 1) + round_parts) / cycle_steps
-            parts = np.vstack((ordinary, round_parts))
+        if cadence in ROUND_CADENCES:
+            ordinary, in_round, cycle_steps = time_cycle(run)
+            num_ordinary = cycle_steps - len(in_round)
+            mean = (ordinary.sum(axis=0) * num_ordinary / max(len(ordinary), 1) + in_round.sum(axis=0)) / cycle_steps
+            parts = np.vstack((ordinary, in_round))
+            num_round_steps.append(len(in_round))
         else:
             parts = run.run(num_paced_steps)
             mean = parts.mean(axis=0)
+            num_round_steps.append(num_paced_steps)
         means.append(1e6 * mean)
         worst.append(1e6 * float((parts[:, 1] + parts[:, 2]).max()))
         num_steps.append(run.step_idx - first_step_idx)
@@ -238,10 +249,10 @@ def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, 
     bookkeeping = [float(m[1] + m[2]) for m in means]
     median = int(np.argsort(bookkeeping)[len(bookkeeping) // 2])
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
-    budget = run.reclaimer.config.max_moves_per_round
-    return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], growth_us, evict_us, reclaim_us, slots_us,
-                    plans_per_step[median], moved_per_round[median], (min(bookkeeping), max(bookkeeping)), worst[median], (min(worst), max(worst)),
-                    check_us, step_us)
+    budget = run.reclaimer.config.max_moves_per_step
+    return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
+                    reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], (min(bookkeeping), max(bookkeeping)),
+                    worst[median], (min(worst), max(worst)), check_us, step_us)
 
 
 def measure_evict_paths(num_requests: int, context_tokens: int, num_steps: int, clock) -> EvictPathRow:
@@ -332,15 +343,15 @@ def verdict(share: float) -> str:
 
 
 def format_evict(rows: list[EvictRow]) -> str:
-    header = (f"{'requests x context':<18} {'cadence':<10} {'moves/round':>11} {'steps':>5} {'growth':>7} {'evict':>8} {'reclaim':>8} "
+    header = (f"{'requests x context':<18} {'cadence':<11} {'moves/step':>10} {'steps':>5} {'round':>5} {'growth':>7} {'evict':>8} {'reclaim':>8} "
               f"{'slots':>7} {'plans/step':>10} {'moved/round':>11} {'step ms':>8} {'evict+reclaim [min-max]':>25} {'% of step':>9} {'1%':>6} "
               f"{'worst step [min-max]':>24} {'% of step':>9} {'1%':>6}")
     lines = []
     for r in rows:
-        budget = "-" if r.max_moves_per_round is None else str(r.max_moves_per_round)
+        budget = "-" if r.max_moves_per_step is None else str(r.max_moves_per_step)
         mean_range = f"{r.bookkeeping_us:,.0f} [{r.mean_range_us[0]:,.0f}-{r.mean_range_us[1]:,.0f}]"
         worst_range = f"{r.worst_us:,.0f} [{r.worst_range_us[0]:,.0f}-{r.worst_range_us[1]:,.0f}]"
-        lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<10} {budget:>11} {r.num_steps:>5} {r.growth_us:>7.0f} "
+        lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<11} {budget:>10} {r.num_steps:>5} {r.num_round_steps:>5} {r.growth_us:>7.0f} "
                      f"{r.evict_us:>8.0f} {r.reclaim_us:>8.0f} {r.slots_us:>7.0f} {r.plans_per_step:>10.2f} {r.moved_per_round:>11,.0f} "
                      f"{r.modelled_step_us / 1000:>8.1f} {mean_range:>25} {100 * r.step_share:>9.2f} {verdict(r.step_share):>6} "
                      f"{worst_range:>24} {100 * r.worst_step_share:>9.2f} {verdict(r.worst_step_share):>6}")
@@ -435,7 +446,7 @@ def main() -> None:
                        "num_recent_tokens": NUM_RECENT_TOKENS, "repeats": num_repeats,
                        "growth": [dict(asdict(r), ratio=r.ratio) for r in growth],
                        "evict": [dict(asdict(r), bookkeeping_us=r.bookkeeping_us, step_share=r.step_share,
-                                      worst_step_share=r.worst_step_share, paced_moves_per_round=paced_moves_per_round(r.modelled_step_us))
+                                      worst_step_share=r.worst_step_share, paced_moves_per_step=paced_moves_per_step(r.modelled_step_us))
                                  for r in evicts],
                        "evict_paths": [asdict(r) for r in paths],
                        "moves": [asdict(m) for m in moves]}, out, indent=2)

@@ -5,13 +5,15 @@ times them.
 
 Cadences of the reclaimer (hole-fill, synchronous copies, no KV data):
 
-    default     as shipped (ReclaimConfig defaults: every k = 4 steps, when F >= theta_F = 0.25,
-                no move budget): one round does a whole cycle's work in one step
-    paced       the same gate checked every step, each round capped at a move budget derived
-                from the modelled step (`paced_moves_per_round`), plans of at most 1.25 x budget / S
-                source blocks: rounds come every few steps, none carries a cycle's work
-    budget      the default gate with max_moves_per_round = 2,048 (`vtoken compare --reclaim-budget`)
-    every-step  plan every step regardless of F (a stress case: many one-block plans)
+    default      as shipped (ReclaimConfig defaults): every k = 4 steps, when F >= theta_F =
+                 0.25, a round starts; it moves at most 2,048 tokens a step and goes on at the
+                 next steps until every request it took is planned
+    whole-round  the same gate, the whole round in the step it starts (max_moves_per_step=None,
+                 `vtoken compare --reclaim-budget none`): one step does a whole cycle's work
+    paced        the gate checked every step, a step's moves capped at a budget derived from
+                 the modelled step (`paced_moves_per_step`), plans of at most 1.25 x budget / S
+                 source blocks
+    every-step   plan every step regardless of F (a stress case: many one-block plans)
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from vtoken.model_spec import resolve_model
 BLOCK_SIZE = 16
 NUM_SINK_TOKENS = 4
 NUM_RECENT_TOKENS = 256
-CADENCES = ("default", "paced", "budget", "every-step")
-ROUND_BUDGET = 2048  # tokens moved per round, the budget cadence
-# The paced cadence's round moves at most about this share of the modelled decode step's worth
+CADENCES = ("default", "whole-round", "paced", "every-step")
+ROUND_CADENCES = ("default", "whole-round")  # a round starts at a check and ends when it is done
+# The paced cadence's step moves at most about this share of the modelled decode step's worth
 # of tokens, at HOST_US_PER_MOVE each (a moved token's host cost in plans of a few hundred
 # moves: plan, apply, release, free; measured with this bench on the 2-core machine, 0.3-0.5 us
 # when it is quiet). Half the 1% goal: the round's fixed cost and the evictions share the rest.
@@ -54,20 +56,22 @@ def modelled_step_us(num_requests: int, context_tokens: int) -> float:
     return 1e6 * executor.iteration_time_s(load)
 
 
-def paced_moves_per_round(step_us: float) -> int:
-    """The paced cadence's budget: tokens moved per round, from the modelled step."""
+def paced_moves_per_step(step_us: float) -> int:
+    """The paced cadence's budget: tokens moved per step, from the modelled step."""
     return max(2 * BLOCK_SIZE, int(PACED_SHARE_OF_STEP * step_us / HOST_US_PER_MOVE))
 
 
 def reclaim_config(cadence: str, step_us: float, mode: str = "hole-fill") -> ReclaimConfig:
     if cadence == "paced":
-        num_moves = paced_moves_per_round(step_us)
+        num_moves = paced_moves_per_step(step_us)
         # B x S = 1.25 x the budget: the last blocks of a request are mostly full (recent tokens),
-        # so one plan usually fills the round alone (a plan's fixed cost, a few dozen numpy calls,
-        # outweighs its moves); a plan is never split, so a round moves < 2.25 x the budget
-        return ReclaimConfig(mode=mode, check_interval_steps=1, max_moves_per_round=num_moves,
+        # so one plan usually fills the step alone (a plan's fixed cost, a few dozen numpy calls,
+        # outweighs its moves); a step moves at most max(budget, B x S) = 1.25 x the budget
+        return ReclaimConfig(mode=mode, check_interval_steps=1, max_moves_per_step=num_moves,
                              max_src_blocks=max(2, 5 * num_moves // (4 * BLOCK_SIZE)))
-    return ReclaimConfig(mode=mode, max_moves_per_round=ROUND_BUDGET if cadence == "budget" else None)
+    if cadence == "whole-round":
+        return ReclaimConfig(mode=mode, max_moves_per_step=None)
+    return ReclaimConfig(mode=mode)
 
 
 def num_pool_blocks(num_requests: int, context_tokens: int, num_steps: int) -> int:
@@ -162,7 +166,8 @@ class EvictingRun:
         self.num_blocks_freed_by_eviction = 0
         self.num_blocks_freed_by_plans = 0
         self.num_plans = 0
-        self.num_rounds = 0  # steps whose reclamation launched plans
+        self.num_rounds = 0  # rounds that ended, having launched plans
+        self.is_round_step = False  # the last step's reclaimer planned (a round started or went on)
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -190,8 +195,9 @@ class EvictingRun:
         """Plan, launch, complete, as the runtime does: the round's moves applied in one
         `apply_moves_each` call (each table's checked there: this run has no check_plan) and
         every source block of the round freed in one call."""
+        was_in_progress = self.reclaimer.is_round_in_progress
         plans = self.reclaimer.plan(self.tables)
-        self.num_rounds += bool(plans)
+        self.num_rounds += (was_in_progress or bool(plans)) and not self.reclaimer.is_round_in_progress
         for plan in plans:
             self.by_id[plan.req_id].adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
             self.engine.launch(plan)
@@ -216,7 +222,8 @@ class EvictingRun:
         grown = clock()
         self.evict(victims)
         evicted = clock()
-        if self.every_step or self.reclaimer.is_eligible(self.step_idx):
+        self.is_round_step = self.every_step or self.reclaimer.is_eligible(self.step_idx)
+        if self.is_round_step:
             self.reclaim()
         reclaimed = clock()
         for table in self.tables:
@@ -246,7 +253,7 @@ class EvictingRun:
         self.step_idx += num_steps
 
     def run_until_a_round(self, max_steps: int) -> np.ndarray:
-        """Steps until, and including, the next step whose reclamation launched plans."""
+        """Steps until, and including, the step the next round that launched plans ends in."""
         num_rounds, parts = self.num_rounds, []
         while self.num_rounds == num_rounds:
             if len(parts) == max_steps:

@@ -100,7 +100,7 @@ CASES = {
     "compare-block-size": ([*COMPARE, "--block-size", "0"], "--block-size must be > 0"),
     "compare-eviction-interval": ([*COMPARE, "--eviction-interval", "0"], "--eviction-interval must be > 0"),
     "compare-concurrency": ([*COMPARE, "--concurrency", "0"], "--concurrency must be > 0"),
-    "compare-reclaim-budget": ([*COMPARE, "--reclaim-budget", "0"], "--reclaim-budget must be > 0"),
+    "compare-reclaim-budget": ([*COMPARE, "--reclaim-budget", "0"], "--reclaim-budget must be an integer > 0 or 'none'"),
     "compare-reclaim-mode": ([*COMPARE, "--reclaim-mode", "magic"], "'magic'"),
     "compare-executor": ([*COMPARE, "--executor", "tpu"], "'tpu'"),
     "compare-concurrencies": ([*COMPARE, "--concurrencies", "1,x"], "--concurrencies"),

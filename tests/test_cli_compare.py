@@ -49,10 +49,10 @@ def test_json_equals_the_library_result():
 def test_reclaim_budget_reaches_the_run_and_its_json():
     args = [str(SAMPLE), *SMALL, "--no-sweep", "--no-frontier", "--json"]
     budgeted = json.loads(invoke(*args, "--reclaim-budget", "64").stdout)
-    assert budgeted["config"]["reclaim"]["max_moves_per_round"] == 64
+    assert budgeted["config"]["reclaim"]["max_moves_per_step"] == 64
     config = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
                               policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                              seed=0, sim_profile=None, reclaim_budget=64)
+                              seed=0, sim_profile=None, reclaim_budget="64")
     options = CompareOptions((2, 8), with_sweep=False, with_frontier=False, concurrency=8)
     report = compare(load_trace(SAMPLE, max_requests=30), config, options, make_replayer("sim"), num_blocks=600)
     assert budgeted == json.loads(json.dumps(report_to_json(report)))
@@ -115,7 +115,7 @@ def write(tmp_path: Path, name: str, text: str) -> str:
         (["{sample}", "--budget", "150%"], "budget"),
         (["{sample}", "--reclaim-mode", "magic"], "unknown reclaim mode"),
         (["{sample}", "--theta-f", "1.5"], "--theta-f"),
-        (["{sample}", "--reclaim-budget", "0"], "--reclaim-budget must be > 0"),
+        (["{sample}", "--reclaim-budget", "0"], "--reclaim-budget must be an integer > 0 or 'none', got '0'"),
         (["{sample}", "--num-blocks", "0"], "--num-blocks"),
         (["{sample}", "--executor", "tpu"], "unknown executor"),
         (["{sample}", "--concurrencies", "1,x"], "--concurrencies"),

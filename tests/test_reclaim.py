@@ -87,7 +87,7 @@ def layout_of(table: TokenTable) -> list[str]:
     ({"check_interval_steps": 0}, "reclaim check interval must be > 0 steps, got 0"),
     ({"max_src_blocks": 1}, "reclaim batch size B must be >= 2 blocks, got 1"),
     ({"headroom_blocks": -1}, "headroom must be >= 0 blocks, got -1"),
-    ({"max_moves_per_round": 0}, "reclaim budget must be > 0 tokens moved per round, got 0"),
+    ({"max_moves_per_step": 0}, "reclaim budget must be > 0 tokens moved per step, got 0"),
 ])
 def test_bad_reclaim_config_raises(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -276,18 +276,49 @@ def test_busy_requests_are_skipped_and_the_most_reclaimable_comes_first() -> Non
 
 
 
-def test_a_round_stops_planning_once_its_budget_of_moves_is_spent() -> None:
+def test_a_round_larger_than_a_step_goes_on_at_the_next_steps() -> None:
+    """A step plans the round's next requests (the O(1) bound's order) while the moves they can
+    make at most (bound x S) fit in the budget, one request at least; the rest come after."""
     pool = BlockPool(32, S)
-    a = make_layout("L...", "L...", tail="L", pool=pool, req_id=0)  # 1 move frees 1 block
-    b = make_layout("L...", "L...", "L...", tail="L", pool=pool, req_id=1)  # 2 moves free 2 blocks
+    a = make_layout("L...", "L...", tail="L", pool=pool, req_id=0)  # bound 1: at most 4 moves
+    b = make_layout("L...", "L...", "L...", tail="L", pool=pool, req_id=1)  # bound 2: at most 8
+    c = make_layout("L...", "L...", tail="L", pool=pool, req_id=2)  # bound 1
+    assert [t.max_reclaimable_blocks() for t in (a, b, c)] == [1, 2, 1]
+
+    def steps(budget: int | None) -> list[list[tuple[int, int]]]:
+        reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_step=budget), pool)
+        planned = [[(p.req_id, p.num_tokens_moved) for p in reclaimer.plan([a, b, c])]]
+        while reclaimer.is_round_in_progress:
+            assert reclaimer.is_eligible(1)  # every step while the round goes on (k = 4)
+            planned.append([(p.req_id, p.num_tokens_moved) for p in reclaimer.plan([a, b, c])])
+        return planned
+
+    assert steps(None) == [[(1, 2), (0, 1), (2, 1)]]
+    assert steps(16) == [[(1, 2), (0, 1), (2, 1)]]  # 8 + 4 + 4 fit
+    assert steps(8) == [[(1, 2)], [(0, 1), (2, 1)]]
+    assert steps(4) == [[(1, 2)], [(0, 1)], [(2, 1)]]  # one request a step at least: b's 8 pass the budget
+    assert steps(1) == [[(1, 2)], [(0, 1)], [(2, 1)]]
+
+
+def test_a_round_plans_each_request_as_it_is_when_its_turn_comes() -> None:
+    """The requests a round reaches later are planned against their layout then: one that has
+    nothing to give back any more, left, or has a copy in flight is passed over."""
+    pool = BlockPool(64, S)
+    a = make_layout("L...", "L...", tail="L", pool=pool, req_id=0)
+    b = make_layout("L...", "L...", "L...", tail="L", pool=pool, req_id=1)
     c = make_layout("L...", "L...", tail="L", pool=pool, req_id=2)
-    def moved(budget: int | None) -> list[tuple[int, int]]:
-        plans = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_round=budget), pool).plan([a, b, c])
-        return [(p.req_id, p.num_tokens_moved) for p in plans]
-    assert moved(None) == [(1, 2), (0, 1), (2, 1)]
-    assert moved(2) == [(1, 2)]  # spent by the first plan
-    assert moved(3) == [(1, 2), (0, 1)]  # the plan that reaches the budget is the last one
-    assert moved(1) == [(1, 2)]  # a plan is never split: one plan may pass the budget
+    d = make_layout("L...", "L...", tail="L", pool=pool, req_id=3)
+    e = make_layout("L...", "L...", "L...", "L...", tail="L", pool=pool, req_id=4)
+    reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_step=4), pool)
+    assert [p.req_id for p in reclaimer.plan([a, b, c, d, e])] == [4]  # bound 3, then b 2, a, c, d 1
+    emptied = a.evict_tokens(np.array([0]))  # a's first block is empty now: nothing to move
+    a.release_blocks(emptied)
+    pool.free(emptied)
+    (plan,) = reclaimer.plan([a, b, c, d, e], frozenset({1}))  # b busy, a has no plan left
+    assert plan.req_id == 2 and moves_of(plan) == moves_of(plan_hole_fill(c, 64))
+    assert reclaimer.is_round_in_progress
+    assert reclaimer.plan([a, b, c, e]) == []  # d left: the round ends without a plan
+    assert not reclaimer.is_round_in_progress
 
 
 def test_plan_mutates_nothing() -> None:
@@ -397,9 +428,11 @@ def reference_hole_fill(table: TokenTable, max_src_blocks: int) -> tuple[list[in
        max_src_blocks=st.integers(2, 6), budget=st.one_of(st.none(), st.integers(1, 12)), shared=st.booleans())
 def test_a_hole_fill_round_plans_every_request_as_the_plain_rule_does_most_reclaimable_first(
         requests, busy, max_src_blocks, budget, shared) -> None:
-    """The lazy round plans all requests at once (plan_hole_fill_each); the plans and their
-    order must be the rule's for each request alone, ranked by exact reclaimable blocks, ties
-    by req_id, cut where the move budget is spent."""
+    """A lazy round plans its requests with plan_hole_fill_each; the plans must be the rule's
+    for each request alone, every request with something to give back planned once over the
+    round's steps (the state does not change between them here), each step's requests the
+    round's next ones by their O(1) bound, ties by req_id, while their move bounds fit in the
+    budget, and its plans ranked by exact reclaimable blocks, ties by req_id."""
     pool = BlockPool(256, S)
     tables = []
     for req_id, (blocks, tail, _, _) in enumerate(requests):
@@ -411,21 +444,34 @@ def test_a_hole_fill_round_plans_every_request_as_the_plain_rule_does_most_recla
     for table in tables[::3]:  # a dead token in the open tail
         if table.tail_num_written and table.live_mask[-1]:
             table.evict_tokens(np.array([table.num_tokens - 1]))
-    config = ReclaimConfig(mode="hole-fill", max_src_blocks=max_src_blocks, max_moves_per_round=budget)
-    plans = Reclaimer(config, pool).plan(tables, frozenset(busy))
-    expected, num_moved = [], 0
-    ranked = sorted((-num_reclaimable_blocks(t), t.req_id, t) for t in tables if t.req_id not in busy and num_reclaimable_blocks(t) > 0)
-    for _, req_id, table in ranked:
-        if budget is not None and num_moved >= budget:
-            break
-        reference = reference_hole_fill(table, max_src_blocks)
-        if reference is not None:
-            expected.append((req_id, *reference))
-            num_moved += len(reference[1])
-    assert [(p.req_id, p.src_block_ids.tolist(), moves_of(p)) for p in plans] == expected
-    for plan in plans:
-        assert plan.layout_version == tables[plan.req_id].layout_version
-        check_plan(plan, tables[plan.req_id], pool, frozenset())
+    config = ReclaimConfig(mode="hole-fill", max_src_blocks=max_src_blocks, max_moves_per_step=budget)
+    reclaimer = Reclaimer(config, pool)
+    steps = [reclaimer.plan(tables, frozenset(busy))]
+    while reclaimer.is_round_in_progress:
+        steps.append(reclaimer.plan(tables, frozenset(busy)))
+    idle = [t for t in tables if t.req_id not in busy]
+    by_bound = [t for _, _, t in sorted((-t.max_reclaimable_blocks(), t.req_id, t) for t in idle if t.max_reclaimable_blocks() > 0)]
+    expected_steps, step = [], []
+    num_moves_at_most = 0
+    for table in by_bound:  # the round's requests, cut into steps by the budget
+        num_moves = min(table.max_reclaimable_blocks(), max_src_blocks) * S
+        if budget is not None and step and num_moves_at_most + num_moves > budget:
+            expected_steps.append(step)
+            step, num_moves_at_most = [], 0
+        step.append(table)
+        num_moves_at_most += num_moves
+    expected_steps.append(step)
+    assert len(steps) == len(expected_steps)
+    for plans, step in zip(steps, expected_steps):
+        expected = [(t.req_id, *reference_hole_fill(t, max_src_blocks))
+                    for _, _, t in sorted((-num_reclaimable_blocks(t), t.req_id, t) for t in step)
+                    if reference_hole_fill(t, max_src_blocks) is not None]
+        assert [(p.req_id, p.src_block_ids.tolist(), moves_of(p)) for p in plans] == expected
+        if budget is not None and len(step) > 1:
+            assert sum(p.num_tokens_moved for p in plans) <= budget
+        for plan in plans:
+            assert plan.layout_version == tables[plan.req_id].layout_version
+            check_plan(plan, tables[plan.req_id], pool, frozenset())
 
 
 CORRUPTIONS = ("token", "src-offset", "dst-offset", "dst-block", "drop-move", "add-source", "version", "repeat-request")

@@ -50,6 +50,12 @@ THETA_F = 0.25  # reclaim only when the pool's waste ratio F is at least this
 # check-invariants: low, so that many relocations run and every one of them is checked.
 CHECK_THETA_F = 0.05
 RECLAIM_INTERVAL_STEPS = 4  # reclaim eligibility is checked every this many engine iterations
+# A lazy reclamation round moves at most this many tokens a step (one request's plan at least,
+# B x S = 1,024 tokens at most) and goes on at the next steps: about 0.6-1 ms of host
+# bookkeeping (bench_substrate.py), and for Llama-3.1-8B on an H100 a 0.2 ms copy, inside the
+# sim's 0.5 ms post-forward window. Twice the steady need of 1,024 requests that each lose a
+# token every step (hole-fill moves about one token per dead one).
+RECLAIM_MOVES_PER_STEP = 2048
 # check-invariants: every iteration, so that as many relocations as possible run and are checked.
 CHECK_RECLAIM_INTERVAL_STEPS = 1
 # Inside vLLM: every iteration; a compaction runs after every eviction there anyway, and this

@@ -174,6 +174,17 @@ def check_serve_flags(*, variant: str, budget: str, sink_tokens: int, recent_tok
         raise ConfigError(f"--theta-f must be in (0, 1), got {theta_f:g}")
 
 
+def parse_reclaim_budget(text: str) -> int | None:
+    """--reclaim-budget: tokens a lazy round moves per step, an integer > 0, or 'none' (the whole
+    round in the step it starts)."""
+    stripped = text.strip().lower()
+    if stripped == "none":
+        return None
+    if not stripped.isdigit() or int(stripped) <= 0:
+        raise ConfigError(f"--reclaim-budget must be an integer > 0 or 'none', got '{text}'")
+    return int(stripped)
+
+
 def check_positive(values: dict[str, int | None]) -> None:
     """Each flag -> value given must be > 0 (None: not given)."""
     for flag, value in values.items():
@@ -195,7 +206,7 @@ def build_experiment(
     theta_f: float,
     seed: int,
     sim_profile: Path | None,
-    reclaim_budget: int | None = None,
+    reclaim_budget: str = str(defaults.RECLAIM_MOVES_PER_STEP),
     reclaim_interval: int = defaults.RECLAIM_INTERVAL_STEPS,
     scheduler: dict[str, object] | None = None,
 ) -> Experiment:
@@ -211,7 +222,8 @@ def build_experiment(
     if not 0 < theta_f < 1:
         raise ConfigError(f"--theta-f must be in (0, 1), got {theta_f:g}")
     check_seed(seed)
-    check_positive({"--eviction-interval": eviction_interval, "--reclaim-budget": reclaim_budget})
+    check_positive({"--eviction-interval": eviction_interval})
+    moves_per_step = parse_reclaim_budget(reclaim_budget)
     model_spec = resolve_model(model)
     gpu_spec = resolve_gpu(gpu)
     check_num_blocks(num_blocks, model_spec, gpu_spec, gpu_mem_util, block_size)
@@ -224,7 +236,7 @@ def build_experiment(
         block_size=block_size,
         eviction=EvictionConfig(resolve_policies([policy])[0], parse_budget(budget), eviction_interval),
         reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f, check_interval_steps=reclaim_interval,
-                              max_moves_per_round=reclaim_budget),
+                              max_moves_per_step=moves_per_step),
         scheduler=SchedulerConfig(**{**(load_scheduler_overrides(sim_profile) if sim_profile else {}),
                                      **(scheduler or {})}),
         seed=seed,

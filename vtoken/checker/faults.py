@@ -331,17 +331,17 @@ class _SharedBlockReclaimer(Reclaimer):
         # every planning entry point (lazy rounds, packing under pressure, the layout re-pack) plans here
         tables = list(tables)
         by_id = {t.req_id: t for t in tables}
-        return [self._with_shared_block(plan, by_id[plan.req_id], tables)
+        return [self._with_shared_block(plan, by_id[plan.req_id])
                 for plan in super()._plans(tables, busy_req_ids, num_blocks_wanted)]
 
-    def _with_shared_block(self, plan: RelocationPlan, table: TokenTable, tables: list[TokenTable]) -> RelocationPlan:
+    def _with_shared_block(self, plan: RelocationPlan, table: TokenTable) -> RelocationPlan:
         if table.num_pinned_blocks:
             block_id = table.held_block_ids[table.num_pinned_blocks - 1]
         else:
-            shared = [b for t in tables for b in t.held_block_ids[: t.num_pinned_blocks] if table.pool.ref_counts[b] > 1]
-            if not shared:
+            shared = np.flatnonzero(table.pool.ref_counts > 1)  # held by several requests: a shared prefix's
+            if not shared.size:
                 return plan
-            block_id = shared[0]
+            block_id = int(shared[0])
         self._fault.num_injected += 1
         return replace(plan, src_block_ids=np.sort(np.append(plan.src_block_ids, block_id)))
 

@@ -5,8 +5,12 @@ three and mutates nothing: `plan` reads the pool and the token tables and return
 `RelocationPlan`s; the runtime launches the copy and, once it completed, applies the moves to
 the table and frees the sources.
 
-Two triggers. Lazy (the paper's): every k steps, when F >= theta_F and few blocks are free,
-plan over everything (`is_eligible`, `plan`). Under pressure: when the blocks the runtime needs
+Two triggers. Lazy (the paper's): every k steps, when F >= theta_F and few blocks are free, a
+round starts over every request with a reclaimable block (`is_eligible`, `plan`). The round
+goes on over the next steps when it is larger than a step's share, `max_moves_per_step` tokens
+moved: the requests it has not reached yet are planned at a later step, each against its layout
+then, so that no step carries a whole round's relocation work (its host bookkeeping, and its
+copies, which must fit behind the forward: the sim charges what does not). Under pressure: when the blocks the runtime needs
 now (the next steps' growth of the running requests, and the prompt of the admission waiting
 for blocks) do not fit in the free pool with `pressure_reserve_blocks` to spare, plan now,
 whatever F and the step, and only until that shortfall is freed (`num_blocks_short`,
@@ -46,7 +50,9 @@ class ReclaimConfig:
     check_interval_steps: int = defaults.RECLAIM_INTERVAL_STEPS  # k: eligibility is checked every k engine iterations
     max_src_blocks: int = 64  # B: source blocks per plan
     headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
-    max_moves_per_round: int | None = None  # stop planning a round once its plans move this many tokens
+    # a lazy round launches plans that move at most this many tokens a step (one request's plan
+    # at least) and goes on at the next steps; None: the whole round in the step it starts
+    max_moves_per_step: int | None = defaults.RECLAIM_MOVES_PER_STEP
     # blocks kept free beyond what pressure needs now, so that a packing round lasts a few steps;
     # default: 1% of the pool, at least 1
     pressure_reserve_blocks: int | None = None
@@ -64,8 +70,8 @@ class ReclaimConfig:
             raise ConfigError(f"reclaim batch size B must be >= 2 blocks, got {self.max_src_blocks}")
         if self.headroom_blocks is not None and self.headroom_blocks < 0:
             raise ConfigError(f"headroom must be >= 0 blocks, got {self.headroom_blocks}")
-        if self.max_moves_per_round is not None and self.max_moves_per_round <= 0:
-            raise ConfigError(f"reclaim budget must be > 0 tokens moved per round, got {self.max_moves_per_round}")
+        if self.max_moves_per_step is not None and self.max_moves_per_step <= 0:
+            raise ConfigError(f"reclaim budget must be > 0 tokens moved per step, got {self.max_moves_per_step}")
         if self.pressure_reserve_blocks is not None and self.pressure_reserve_blocks < 0:
             raise ConfigError(f"pressure reserve must be >= 0 blocks, got {self.pressure_reserve_blocks}")
 
@@ -77,16 +83,25 @@ class ReclaimConfig:
 
 
 class Reclaimer:
+    """Decides when to plan, for which requests, and what the plans move; changes no table and
+    no block. Its one state is the lazy round in progress: the requests it has yet to plan."""
+
     def __init__(self, config: ReclaimConfig, pool: BlockPool) -> None:
         self.config = config
         self.pool = pool
         self.num_low_watermark_blocks = int(np.ceil(config.low_watermark_frac * pool.num_blocks))
         reserve = config.pressure_reserve_blocks
         self.num_pressure_reserve_blocks = max(1, -(-pool.num_blocks // 100)) if reserve is None else reserve
+        self._round_req_ids: list[int] = []  # the lazy round's requests still to plan, the next one last
+
+    @property
+    def is_round_in_progress(self) -> bool:
+        return bool(self._round_req_ids)
 
     def is_eligible(self, step_idx: int) -> bool:
-        """Stage 1: every k steps, F >= theta_F and free blocks below the low watermark."""
-        return (
+        """Stage 1: every step while a lazy round is in progress; else every k steps, when F >=
+        theta_F and free blocks are below the low watermark."""
+        return bool(self._round_req_ids) or (
             step_idx % self.config.check_interval_steps == 0
             and self.pool.num_free_blocks < self.num_low_watermark_blocks
             and self.pool.waste_ratio() >= self.config.theta_f
@@ -102,12 +117,54 @@ class Reclaimer:
         return max(0, num_blocks_needed + self.num_pressure_reserve_blocks - self.num_admissible_blocks())
 
     def plan(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
-        """Stage 3: plans for the given requests, most reclaimable first; mutates nothing.
+        """Stage 3, lazy: this step's plans of the lazy round over `tables` (the running
+        requests), starting one when none is in progress; changes no table and no block.
 
-        Requests in `busy_req_ids` (a plan in flight) are skipped. Ordered plans stop when the
-        free blocks run out.
+        A round takes every request with a reclaimable block (by the O(1) bound), the most
+        first, ties by req_id. A step plans the next of them while the moves they can make at
+        most (bound x S each, B x S at most) fit in `max_moves_per_step`, one request at least,
+        and launches their plans most reclaimable first; the others wait for the next steps,
+        when each is planned against its layout then (skipped if it left, is busy or has
+        nothing to give back). So a step moves at most max(max_moves_per_step, B x S) tokens.
+        Without a budget the whole round is planned at once. Requests in `busy_req_ids` (a plan
+        in flight) are skipped. Ordered plans stop when the free blocks run out.
         """
-        return self._plans(tables, busy_req_ids, None)
+        tables = list(tables)
+        if self.config.max_moves_per_step is None:
+            if self.config.mode == "hole-fill":
+                return self._hole_fill_round(tables, busy_req_ids)
+            return self._plans(tables, busy_req_ids, None)
+        if not self._round_req_ids:
+            self._round_req_ids = self._round_order(tables, busy_req_ids)
+        return self._plans(self._next_of_round(tables, busy_req_ids), busy_req_ids, None)
+
+    def _round_order(self, tables: list[TokenTable], busy_req_ids: frozenset[int]) -> list[int]:
+        """A new round's requests, the next one last: every one with a reclaimable block by the
+        O(1) bound, most first, ties by req_id."""
+        ranked = sorted((-bound, table.req_id) for table in tables
+                        if table.req_id not in busy_req_ids and (bound := table.max_reclaimable_blocks()) > 0)
+        return [req_id for _, req_id in reversed(ranked)]
+
+    def _next_of_round(self, tables: list[TokenTable], busy_req_ids: frozenset[int]) -> list[TokenTable]:
+        """This step's requests of the round: the next ones still running, idle and with a
+        reclaimable block, while the tokens their plans can move at most fit in the budget."""
+        by_id = {table.req_id: table for table in tables}
+        budget, per_block = self.config.max_moves_per_step, self.config.max_src_blocks
+        chosen, num_moves_at_most = [], 0
+        round_req_ids = self._round_req_ids
+        while round_req_ids:
+            table = by_id.get(round_req_ids[-1])
+            bound = table.max_reclaimable_blocks() if table is not None and table.req_id not in busy_req_ids else 0
+            if bound <= 0:
+                round_req_ids.pop()
+                continue
+            num_moves = min(bound, per_block) * table.block_size  # hole-fill: at most S moves per block freed
+            if chosen and num_moves_at_most + num_moves > budget:
+                break
+            round_req_ids.pop()
+            chosen.append(table)
+            num_moves_at_most += num_moves
+        return chosen
 
     def plan_to_free(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
                      num_blocks: int) -> list[RelocationPlan]:
@@ -123,15 +180,14 @@ class Reclaimer:
 
     def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
                num_blocks_wanted: int | None) -> list[RelocationPlan]:
-        if self.config.mode == "hole-fill" and num_blocks_wanted is None and self.config.max_moves_per_round is None:
+        """Plans over `tables`, most reclaimable first, until `num_blocks_wanted` are freed
+        (None: every plan there is)."""
+        if self.config.mode == "hole-fill" and num_blocks_wanted is None:
             return self._hole_fill_round(tables, busy_req_ids)
         plans: list[RelocationPlan] = []
-        num_dst_used, num_moved = 0, 0
-        budget = self.config.max_moves_per_round
+        num_dst_used = 0
         num_freed = 0
         for table, movable in most_reclaimable_first(tables, busy_req_ids):
-            if budget is not None and num_moved >= budget:
-                break
             max_src_blocks = self.config.max_src_blocks
             if num_blocks_wanted is not None:
                 if num_freed >= num_blocks_wanted:
@@ -144,19 +200,18 @@ class Reclaimer:
             if plan is not None:
                 plans.append(plan)
                 num_dst_used += plan.dst_new_block_ids.size
-                num_moved += plan.num_tokens_moved
                 num_freed += plan.num_blocks_freed
         return plans
 
 
     def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> list[RelocationPlan]:
-        """A lazy hole-fill round without a move budget: every request's plan at once
-        (`plan_hole_fill_each`, a fixed number of numpy calls for the round), then most
-        reclaimable first, ties by req_id. The order and the plans are `most_reclaimable_first`'s
-        and `plan_hole_fill`'s: hole-fill plans are independent of each other, so planning them
-        all and then ordering them gives what planning them one by one in that order gives. A
-        round with a budget (or under pressure) plans one request at a time instead, since it
-        stops after the first few: planning every request to keep one costs more than it saves."""
+        """Every hole-fill plan over `tables` at once (`plan_hole_fill_each`, a fixed number of
+        numpy calls for them all), most reclaimable first, ties by req_id. The order and the
+        plans are `most_reclaimable_first`'s and `plan_hole_fill`'s: hole-fill plans are
+        independent of each other, so planning them all and then ordering them gives what
+        planning them one by one in that order gives. Planning under pressure, which stops
+        after the first few, plans one request at a time instead: planning every request to
+        keep one costs more than it saves."""
         candidates = [(idx, table) for idx, table in enumerate(tables)
                       if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
         if not candidates:

@@ -48,7 +48,7 @@ def compare_command(
     concurrencies: Annotated[str, typer.Option(help="Concurrencies of the sweep and the frontier.")] = ",".join(map(str, defaults.CONCURRENCIES)),
     reclaim_mode: ReclaimMode = defaults.RECLAIM_MODE,
     theta_f: ThetaF = defaults.THETA_F,
-    reclaim_budget: Annotated[Optional[int], typer.Option(help="Tokens one reclamation round may move (default: no limit); bounds the relocation work of a single step.")] = None,
+    reclaim_budget: Annotated[str, typer.Option(help="Tokens a lazy reclamation round moves per step at most (one request's plan at least); a larger round goes on at the next steps. 'none': the whole round in the step it starts.")] = str(defaults.RECLAIM_MOVES_PER_STEP),
     eviction_interval: EvictionInterval = defaults.EVICTION_INTERVAL_TOKENS,
     sla_metric: Annotated[str, typer.Option(help="Latency the SLA is set on: e2e, ttft or tpot.")] = defaults.SLA_METRIC,
     sla_factor: Annotated[float, typer.Option(help="SLA = factor x naive-evict p95 at --sla-ref-concurrency.")] = defaults.SLA_FACTOR,

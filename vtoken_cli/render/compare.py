@@ -195,8 +195,8 @@ def arrivals_phrase(concurrency: int | None) -> str:
 
 
 def reclaim_phrase(cfg) -> str:
-    budget = cfg.reclaim.max_moves_per_round
-    moved = "no limit on tokens moved per round" if budget is None else f"at most {budget:,} tokens moved per round"
+    budget = cfg.reclaim.max_moves_per_step
+    moved = "a lazy round in one step" if budget is None else f"a lazy round moves at most {budget:,} tokens a step"
     return f"{cfg.reclaim.mode}, theta_F {cfg.reclaim.theta_f:g}, {moved}"
 
 
