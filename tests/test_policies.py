@@ -27,6 +27,7 @@ from vtoken.policies import (
     num_victims,
     protected_mask,
 )
+from vtoken.policies.base import kth_smallest
 
 POLICY_DIR = Path(__file__).resolve().parents[1] / "vtoken" / "policies"
 FORBIDDEN_MODULES = ("vtoken.kv", "torch", "typer", "rich")
@@ -380,6 +381,38 @@ def test_every_victim_ranks_below_every_kept_evictable_token(policy_name: str, v
     victim_ranks = list(zip(scores[is_victim].tolist(), view.token_ids[is_victim].tolist()))
     kept_ranks = list(zip(scores[is_kept_evictable].tolist(), view.token_ids[is_kept_evictable].tolist()))
     assert not victim_ranks or not kept_ranks or max(victim_ranks) < min(kept_ranks)
+
+
+@st.composite
+def score_arrays(draw: st.DrawFn) -> np.ndarray:
+    """Scores past the sampled path's size, in orders that put the smallest anywhere (random,
+    ascending, descending, a sawtooth, or exactly where the sample looks), with ties from few
+    distinct values, and an odd NaN."""
+    num_values = draw(st.one_of(st.integers(1, 600), st.integers(512, 3000)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    values = rng.pareto(1.5, num_values) if draw(st.booleans()) else rng.integers(0, draw(st.integers(1, 6)), num_values).astype(np.float64)
+    order = draw(st.sampled_from(["random", "ascending", "descending", "sawtooth", "small-where-sampled"]))
+    if order == "ascending":
+        values = np.sort(values)
+    elif order == "descending":
+        values = np.sort(values)[::-1].copy()
+    elif order == "sawtooth":
+        values = np.sort(values)[np.argsort(np.arange(num_values) % 64, kind="stable")]
+    elif order == "small-where-sampled":  # the sample sees only the smallest: its bound is too low
+        sampled = values[:: max(1, num_values // 64)]
+        sampled[:] = values.min() - 1.0 - np.arange(sampled.size)
+    if draw(st.booleans()) and num_values > 1:
+        values[rng.integers(0, num_values)] = np.nan
+    return values
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=score_arrays(), data=st.data())
+def test_kth_smallest_is_what_a_full_partition_gives(values: np.ndarray, data) -> None:
+    k = data.draw(st.one_of(st.integers(1, max(1, values.size // 32)), st.integers(1, values.size)))  # few: the sampled path
+    expected = np.partition(values, k - 1)[k - 1]
+    got = kth_smallest(values, k)
+    assert got == expected or (np.isnan(got) and np.isnan(expected))
 
 
 # --- The substrate boundary -------------------------------------------------------------------

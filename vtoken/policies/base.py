@@ -191,13 +191,32 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     # then as many of the ties at that score as still fit, oldest first (candidates ascend).
     # Without ties past the k-th (the usual case for real-valued scores) that is every score
     # up to it.
-    kth_score = np.partition(candidate_scores, num_evict - 1)[num_evict - 1]
+    kth_score = kth_smallest(candidate_scores, num_evict)
     chosen = candidate_scores <= kth_score
     if np.count_nonzero(chosen) > num_evict:
         chosen = candidate_scores < kth_score
         tied_idx = np.flatnonzero(candidate_scores == kth_score)[: num_evict - int(np.count_nonzero(chosen))]
         chosen[tied_idx] = True
     return view.token_ids[lo:hi][chosen].astype(np.int64, copy=False)
+
+
+def kth_smallest(values: np.ndarray, k: int) -> float:
+    """The k-th smallest of `values` (k >= 1): `np.partition(values, k - 1)[k - 1]`, the same
+    value, found without partitioning them all when k is a small share of them (a policy's
+    periodic run evicts a few dozen of a thousand): the values up to a bound taken from a
+    strided sample of 64 are partitioned instead. The bound lies above about 4k of the values;
+    when fewer than k lie at or below it, the k-th smallest is above it, and all are partitioned.
+    np.partition costs about 10 ns a value whatever k is, the sample and the bound's pass about
+    a third of that."""
+    num_values = values.size
+    if num_values < 512 or k * 32 > num_values:
+        return np.partition(values, k - 1)[k - 1]
+    sample = np.sort(values[:: num_values // 64])
+    bound = sample[min(sample.size - 1, 4 * k * sample.size // num_values + 1)]
+    below = values[values <= bound]
+    if below.size < k:
+        return np.partition(values, k - 1)[k - 1]
+    return np.partition(below, k - 1)[k - 1]
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:
