@@ -87,7 +87,8 @@ class Runtime:
         self.num_generated_tokens = 0  # over every step, recomputation after a preemption included
         self._num_copied_tokens = 0
         self._busy_req_ids: frozenset[int] = frozenset()
-        self._checked_at_version: dict[int, int] = {}  # request -> its layout version when its plan in flight passed check_plan
+        # request -> its table, and the table's layout version when its plan in flight passed check_plan
+        self._in_flight: dict[int, tuple[TokenTable, int]] = {}
         self.reclaim_work = {"lazy": ReclaimWork(), "pressure": ReclaimWork(), "layout": ReclaimWork()}  # by trigger
 
     # ---- the spine ---------------------------------------------------------------------------
@@ -293,15 +294,16 @@ class Runtime:
             table = by_id[plan.req_id]
             if not is_checked:
                 check_plan(plan, table, self.pool, busy)
+                busy = busy | {plan.req_id}  # the next plans are checked against this one in flight
             self.observer.on_plan(plan, table)
-            got = self.pool.allocate(plan.dst_new_block_ids.size)
-            assert np.array_equal(got, plan.dst_new_block_ids), "allocation diverged from the planned destinations"
-            table.adopt_blocks(got)
-            self._checked_at_version[plan.req_id] = table.layout_version
+            if plan.dst_new_block_ids.size:  # an ordered plan's fresh destinations
+                got = self.pool.allocate(plan.dst_new_block_ids.size)
+                assert np.array_equal(got, plan.dst_new_block_ids), "allocation diverged from the planned destinations"
+                table.adopt_blocks(got)
+            self._in_flight[plan.req_id] = (table, table.layout_version)
             self.copy_engine.launch(plan)
             self._num_copied_tokens += plan.num_tokens_moved
-            busy = busy | {plan.req_id}
-        self._busy_req_ids = busy
+        self._busy_req_ids = busy.union(plan.req_id for plan in plans)
         if self.copy_engine.mode == "sync":  # other modes complete after the next forward at the earliest
             self._complete(self.copy_engine.poll_completed())
 
@@ -310,16 +312,14 @@ class Runtime:
         side once for all the plans (a round's land together)."""
         if not plans:
             return
-        running = {s.req_idx: s for s in self.scheduler.running}
+        self._busy_req_ids = self._busy_req_ids.difference(plan.req_id for plan in plans)
         landed, tables, versions = [], [], []
         for plan in plans:
-            self._busy_req_ids = self._busy_req_ids - {plan.req_id}
-            checked_at_version = self._checked_at_version.pop(plan.req_id, None)
-            state = running.get(plan.req_id)
-            if state is not None:  # else it finished or was preempted while the copy was in flight
+            in_flight = self._in_flight.pop(plan.req_id, None)
+            if in_flight is not None:  # else it finished or was preempted while the copy was in flight (`_leave`)
                 landed.append(plan)
-                tables.append(state.table)
-                versions.append(checked_at_version)
+                tables.append(in_flight[0])
+                versions.append(in_flight[1])
         if not landed:
             return
         lives_before = [table.live_token_ids() for table in tables] if self._is_observed else [None] * len(tables)
@@ -337,7 +337,7 @@ class Runtime:
         if state.req_idx in self._busy_req_ids:
             self.copy_engine.cancel(state.req_idx)
             self._busy_req_ids = self._busy_req_ids - {state.req_idx}
-            self._checked_at_version.pop(state.req_idx, None)
+            self._in_flight.pop(state.req_idx, None)
 
     # ---- result ------------------------------------------------------------------------------
 
