@@ -123,6 +123,22 @@ def test_fifo_eviction_no_longer_leaves_vtoken_reading_more_than_naive():
     assert sum(v.load.num_kv_slots_read for v in vtoken) < sum(n.load.num_kv_slots_read for n in naive)
 
 
+def test_a_further_written_tail_is_no_longer_read_past_naive():
+    """Request 6 holds as many blocks as naive-evict's at step 203, but its open tail is an
+    older block, written 13 slots deep where naive-evict's fresh tail holds 4: it read 129
+    slots there against naive-evict's 120 until the layout trigger compared KV extents instead
+    of block counts; now it frees a block right after that eviction."""
+    lengths = [(8, 123), (141, 123), (108, 299), (239, 163), (272, 200), (239, 166), (36, 81)]
+    requests = [Request(str(i), 0.0, *pair) for i, pair in enumerate(lengths)]
+    eviction = EvictionConfig("streaming_llm", Budget(keep_ratio=0.2, num_sink_tokens=4, num_recent_tokens=16), 8)
+    scheduler = SchedulerConfig(max_num_batched_tokens=256)
+    naive, _ = replay(make_config("naive-evict", eviction, scheduler=scheduler), requests)
+    vtoken, _ = replay(make_config("vtoken", eviction, scheduler=scheduler), requests)
+    assert (naive[203].load.num_kv_slots_read, naive[203].load.num_live_kv_tokens) == (120, 87)
+    assert vtoken[203].load.num_kv_slots_read <= 120
+    assert all(v.load.num_kv_slots_read <= n.load.num_kv_slots_read for n, v in zip(naive, vtoken, strict=True))
+
+
 def test_compaction_shrinks_the_read_and_the_step_time():
     """A workload where H2O leaves holes everywhere: vToken's decode reads fewer slots than
     Naive-Evict's, so its steps are shorter; with the live-tokens model they are not."""
