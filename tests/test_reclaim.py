@@ -278,7 +278,8 @@ def test_busy_requests_are_skipped_and_the_most_reclaimable_comes_first() -> Non
 
 def test_a_round_larger_than_a_step_goes_on_at_the_next_steps() -> None:
     """A step plans the round's next requests (the O(1) bound's order) while the moves they can
-    make at most (bound x S) fit in the budget, one request at least; the rest come after."""
+    make at most (bound x S) fit in two budgets, one request at least, and launches their plans
+    while they move at most the budget, one plan at least; the rest come after."""
     pool = BlockPool(32, S)
     a = make_layout("L...", "L...", tail="L", pool=pool, req_id=0)  # bound 1: at most 4 moves
     b = make_layout("L...", "L...", "L...", tail="L", pool=pool, req_id=1)  # bound 2: at most 8
@@ -294,10 +295,21 @@ def test_a_round_larger_than_a_step_goes_on_at_the_next_steps() -> None:
         return planned
 
     assert steps(None) == [[(1, 2), (0, 1), (2, 1)]]
-    assert steps(16) == [[(1, 2), (0, 1), (2, 1)]]  # 8 + 4 + 4 fit
-    assert steps(8) == [[(1, 2)], [(0, 1), (2, 1)]]
-    assert steps(4) == [[(1, 2)], [(0, 1)], [(2, 1)]]  # one request a step at least: b's 8 pass the budget
-    assert steps(1) == [[(1, 2)], [(0, 1)], [(2, 1)]]
+    assert steps(8) == [[(1, 2), (0, 1), (2, 1)]]  # planned: 8 + 4 + 4 fit two budgets; moved: 4
+    assert steps(4) == [[(1, 2)], [(0, 1), (2, 1)]]  # a would take the bounds to 12 > 8
+    assert steps(2) == [[(1, 2)], [(0, 1)], [(2, 1)]]
+    assert steps(1) == [[(1, 2)], [(0, 1)], [(2, 1)]]  # one plan a step at least: b's 2 pass the budget
+
+
+def test_a_step_launches_plans_up_to_the_budget_and_the_next_step_starts_with_the_rest() -> None:
+    pool = BlockPool(32, S)
+    d = make_layout("LL..", "LL..", tail="L", pool=pool, req_id=3)  # bound 1 (at most 4 moves), 2 moves
+    e = make_layout("L...", "LLL.", tail="L", pool=pool, req_id=4)  # bound 1, 3 moves
+    f = make_layout("L...", "L...", tail="L", pool=pool, req_id=5)  # bound 1, 1 move
+    reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_step=4), pool)
+    assert [(p.req_id, p.num_tokens_moved) for p in reclaimer.plan([d, e, f])] == [(3, 2)]  # planned d and e: 2 + 3 > 4
+    assert [(p.req_id, p.num_tokens_moved) for p in reclaimer.plan([d, e, f])] == [(4, 3), (5, 1)]  # e first, then f: 3 + 1 fit
+    assert not reclaimer.is_round_in_progress
 
 
 def test_a_round_plans_each_request_as_it_is_when_its_turn_comes() -> None:
@@ -309,7 +321,7 @@ def test_a_round_plans_each_request_as_it_is_when_its_turn_comes() -> None:
     c = make_layout("L...", "L...", tail="L", pool=pool, req_id=2)
     d = make_layout("L...", "L...", tail="L", pool=pool, req_id=3)
     e = make_layout("L...", "L...", "L...", "L...", tail="L", pool=pool, req_id=4)
-    reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_step=4), pool)
+    reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_step=2), pool)
     assert [p.req_id for p in reclaimer.plan([a, b, c, d, e])] == [4]  # bound 3, then b 2, a, c, d 1
     emptied = a.evict_tokens(np.array([0]))  # a's first block is empty now: nothing to move
     a.release_blocks(emptied)
@@ -430,9 +442,9 @@ def test_a_hole_fill_round_plans_every_request_as_the_plain_rule_does_most_recla
         requests, busy, max_src_blocks, budget, shared) -> None:
     """A lazy round plans its requests with plan_hole_fill_each; the plans must be the rule's
     for each request alone, every request with something to give back planned once over the
-    round's steps (the state does not change between them here), each step's requests the
-    round's next ones by their O(1) bound, ties by req_id, while their move bounds fit in the
-    budget, and its plans ranked by exact reclaimable blocks, ties by req_id."""
+    round's steps (the state does not change between them here), each step's plans ranked by
+    exact reclaimable blocks, ties by req_id, and moving at most the budget unless there is
+    one."""
     pool = BlockPool(256, S)
     tables = []
     for req_id, (blocks, tail, _, _) in enumerate(requests):
@@ -450,24 +462,15 @@ def test_a_hole_fill_round_plans_every_request_as_the_plain_rule_does_most_recla
     while reclaimer.is_round_in_progress:
         steps.append(reclaimer.plan(tables, frozenset(busy)))
     idle = [t for t in tables if t.req_id not in busy]
-    by_bound = [t for _, _, t in sorted((-t.max_reclaimable_blocks(), t.req_id, t) for t in idle if t.max_reclaimable_blocks() > 0)]
-    expected_steps, step = [], []
-    num_moves_at_most = 0
-    for table in by_bound:  # the round's requests, cut into steps by the budget
-        num_moves = min(table.max_reclaimable_blocks(), max_src_blocks) * S
-        if budget is not None and step and num_moves_at_most + num_moves > budget:
-            expected_steps.append(step)
-            step, num_moves_at_most = [], 0
-        step.append(table)
-        num_moves_at_most += num_moves
-    expected_steps.append(step)
-    assert len(steps) == len(expected_steps)
-    for plans, step in zip(steps, expected_steps):
-        expected = [(t.req_id, *reference_hole_fill(t, max_src_blocks))
-                    for _, _, t in sorted((-num_reclaimable_blocks(t), t.req_id, t) for t in step)
-                    if reference_hole_fill(t, max_src_blocks) is not None]
-        assert [(p.req_id, p.src_block_ids.tolist(), moves_of(p)) for p in plans] == expected
-        if budget is not None and len(step) > 1:
+    reference = {t.req_id: (t.req_id, *plan) for t in idle
+                 if t.max_reclaimable_blocks() > 0 and (plan := reference_hole_fill(t, max_src_blocks)) is not None}
+    planned = [(p.req_id, p.src_block_ids.tolist(), moves_of(p)) for step in steps for p in step]
+    assert sorted(planned) == sorted(reference.values())  # every request planned once, by the rule
+    for plans in steps:
+        assert [p.req_id for p in plans] == [t.req_id for _, _, t in sorted((-num_reclaimable_blocks(tables[p.req_id]), p.req_id, tables[p.req_id]) for p in plans)]
+        if budget is None:
+            assert len(steps) == 1
+        elif len(plans) > 1:
             assert sum(p.num_tokens_moved for p in plans) <= budget
         for plan in plans:
             assert plan.layout_version == tables[plan.req_id].layout_version

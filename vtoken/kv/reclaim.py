@@ -40,6 +40,11 @@ from vtoken.kv.planning import Movables, plan_hole_fill, plan_hole_fill_each, pl
 from vtoken.kv.token_table import TokenTable
 
 RECLAIM_MODES = ("hole-fill", "ordered")
+# A budgeted step plans requests whose moves at most (bound x S) add up to this many budgets:
+# the bound counts S moves for every block a perfect packing would free, where a hole-fill plan
+# moves the live tokens of its sources, about half of that on the Azure trace (8.2 moves per
+# freed block); the plans past the budget wait for the next step.
+ROUND_PLANNING_SLACK = 2
 
 
 @dataclass(frozen=True)
@@ -122,21 +127,32 @@ class Reclaimer:
 
         A round takes every request with a reclaimable block (by the O(1) bound), the most
         first, ties by req_id. A step plans the next of them while the moves they can make at
-        most (bound x S each, B x S at most) fit in `max_moves_per_step`, one request at least,
-        and launches their plans most reclaimable first; the others wait for the next steps,
-        when each is planned against its layout then (skipped if it left, is busy or has
-        nothing to give back). So a step moves at most max(max_moves_per_step, B x S) tokens.
-        Without a budget the whole round is planned at once. Requests in `busy_req_ids` (a plan
-        in flight) are skipped. Ordered plans stop when the free blocks run out.
+        most (bound x S each, B x S at most) fit in ROUND_PLANNING_SLACK budgets, and launches
+        their plans, most reclaimable first, while they move at most `max_moves_per_step`
+        tokens (one plan at least); the requests whose plans it did not launch come first at
+        the next step, and the others after them, each planned against its layout then (skipped
+        if it left, is busy or has nothing to give back). So a step moves at most
+        max(max_moves_per_step, B x S) tokens. Without a budget the whole round is planned and
+        launched at once. Requests in `busy_req_ids` (a plan in flight) are skipped. Ordered
+        plans stop when the free blocks run out.
         """
         tables = list(tables)
-        if self.config.max_moves_per_step is None:
+        budget = self.config.max_moves_per_step
+        if budget is None:
             if self.config.mode == "hole-fill":
                 return self._hole_fill_round(tables, busy_req_ids)
             return self._plans(tables, busy_req_ids, None)
         if not self._round_req_ids:
             self._round_req_ids = self._round_order(tables, busy_req_ids)
-        return self._plans(self._next_of_round(tables, busy_req_ids), busy_req_ids, None)
+        plans = self._plans(self._next_of_round(tables, busy_req_ids, ROUND_PLANNING_SLACK * budget), busy_req_ids, None)
+        num_launched, num_moved = 0, 0
+        for plan in plans:
+            if num_launched and num_moved + plan.num_tokens_moved > budget:
+                break
+            num_launched += 1
+            num_moved += plan.num_tokens_moved
+        self._round_req_ids.extend(plan.req_id for plan in reversed(plans[num_launched:]))
+        return plans[:num_launched]
 
     def _round_order(self, tables: list[TokenTable], busy_req_ids: frozenset[int]) -> list[int]:
         """A new round's requests, the next one last: every one with a reclaimable block by the
@@ -145,11 +161,12 @@ class Reclaimer:
                         if table.req_id not in busy_req_ids and (bound := table.max_reclaimable_blocks()) > 0)
         return [req_id for _, req_id in reversed(ranked)]
 
-    def _next_of_round(self, tables: list[TokenTable], busy_req_ids: frozenset[int]) -> list[TokenTable]:
+    def _next_of_round(self, tables: list[TokenTable], busy_req_ids: frozenset[int], max_moves: int) -> list[TokenTable]:
         """This step's requests of the round: the next ones still running, idle and with a
-        reclaimable block, while the tokens their plans can move at most fit in the budget."""
+        reclaimable block, while the tokens their plans can move at most fit in `max_moves`
+        (one request at least)."""
         by_id = {table.req_id: table for table in tables}
-        budget, per_block = self.config.max_moves_per_step, self.config.max_src_blocks
+        per_block = self.config.max_src_blocks
         chosen, num_moves_at_most = [], 0
         round_req_ids = self._round_req_ids
         while round_req_ids:
@@ -159,7 +176,7 @@ class Reclaimer:
                 round_req_ids.pop()
                 continue
             num_moves = min(bound, per_block) * table.block_size  # hole-fill: at most S moves per block freed
-            if chosen and num_moves_at_most + num_moves > budget:
+            if chosen and num_moves_at_most + num_moves > max_moves:
                 break
             round_req_ids.pop()
             chosen.append(table)
