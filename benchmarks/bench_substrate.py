@@ -1,6 +1,6 @@
 """Host-side cost of the vToken substrate per decode step, against the modelled step. A benchmark, not a test.
 
-    python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,paced]
+    python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
                                          [--repeats N] [--wall] [--json PATH]
 
 R concurrent requests with an L-token context, block size S = 16, one new token per request
@@ -19,13 +19,14 @@ emptied in one `BlockPool.free`, and the reclaimer, whose step frees its source 
 call too. evict = that eviction call with releasing and freeing; reclaim = planning, applying
 and freeing; slots = every request's `slots()`, what a reader of the dense host slot list (the
 hf executor's attention) pays to bring it up to date after the step's evictions (the sim and
-vLLM executors never read it). The round cadences (default, whole-round) are measured over one
+vLLM executors never read it). The round cadences (default, whole-round, paced) are measured over one
 whole cycle (from the step a round ends in to the step the next one ends in), so that the mean
 amortizes the round: 64 timed steps after the round, then (untimed) 32 steps at a time in bulk
 while F is more than 0.005 below theta_F, then timed steps up to and including the end of the
 next round; the mean weighs the timed ordinary steps by their number in the cycle and adds
-every step of the round. The paced cadence is timed over a window of steps after its first
-round.
+every step of the round; every-step is timed over a window of steps. The worst step is the
+most evict + reclaim of one measured step; beside it, the most tokens one step moved against
+the bound a budget sets, max(budget, B x S).
 
 Times are host microseconds of this process's CPU time (time.process_time; on a machine shared
 with other work wall time measures the others' load; `--wall` uses time.perf_counter). Each
@@ -60,16 +61,16 @@ from vtoken.invariants import check_plan
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.token_table import TokenTable
 
-# (requests, context, growth steps, paced steps): the default run
+# (requests, context, growth steps, every-step cadence's steps): the default run
 SCENARIOS = ((64, 8192, 400, 512), (256, 8192, 100, 256), (1024, 8192, 30, 96), (64, 32768, 200, 512), (256, 32768, 60, 256))
 QUICK_SCENARIOS = ((64, 8192, 100, 128),)
-DEFAULT_CADENCES = ("default", "paced")
+DEFAULT_CADENCES = ("default", "whole-round")
 TARGET_STEP_SHARE = 0.01  # evict + reclaim per step, of the modelled decode step
 TARGET_TABLE_RATIO = 1.05
 MAX_CYCLE_STEPS = 4000  # a default cycle takes about B * S = 1024 steps at one eviction per request
 ORDINARY_STEPS = 64  # timed steps of a cycle right after its round; then it advances in bulk
 BULK_STEPS, BULK_MARGIN_F = 32, 0.005  # steps per bulk advance; while F < theta_F - margin
-PACED_WARMUP_STEPS = 64  # after the first paced round, before measuring
+WINDOW_WARMUP_STEPS = 64  # every-step: after its first round, before measuring
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,13 @@ class EvictRow:
     slots_us: float
     plans_per_step: float
     moved_per_round: float  # tokens moved per round that launched plans, median repetition
+    max_moved_per_step: int  # the most tokens one measured step moved, over the repetitions
     mean_range_us: tuple[float, float]  # min-max over repetitions of the mean evict + reclaim
     worst_us: float  # the worst step's evict + reclaim, median repetition
     worst_range_us: tuple[float, float]
     check_plan_us_per_plan: float
     modelled_step_us: float  # the sim's decode step of this configuration
+    max_src_blocks: int  # B: source blocks per plan
 
     @property
     def bookkeeping_us(self) -> float:
@@ -165,8 +168,8 @@ def measure_growth(num_requests: int, context_tokens: int, num_steps: int, num_r
 
 def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: float, seed: int, clock) -> EvictingRun:
     """A run in its steady state: waste just under theta_F (random dead tokens in every
-    request), then steps until a reclamation round ended (and a few more, paced)."""
-    num_steps = {"default": 2 * MAX_CYCLE_STEPS, "whole-round": 2 * MAX_CYCLE_STEPS, "paced": 4096, "every-step": 1024}[cadence]
+    request), then steps until a reclamation round ended (and a few more, every-step)."""
+    num_steps = {"default": 2 * MAX_CYCLE_STEPS, "whole-round": 2 * MAX_CYCLE_STEPS, "paced": 2 * MAX_CYCLE_STEPS, "every-step": 1024}[cadence]
     run = EvictingRun(num_requests, context_tokens, num_steps, reclaim_config(cadence, step_us), every_step=cadence == "every-step",
                       seed=seed, clock=clock)
     if cadence == "every-step":
@@ -176,7 +179,7 @@ def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: fl
     run.prefragment(int(run.reclaimer.config.theta_f * context_tokens) - 2 * BLOCK_SIZE)
     run.run_until_a_round(MAX_CYCLE_STEPS)
     if cadence not in ROUND_CADENCES:
-        run.run(PACED_WARMUP_STEPS)
+        run.run(WINDOW_WARMUP_STEPS)
     return run
 
 
@@ -219,16 +222,18 @@ def time_cycle(run: EvictingRun) -> tuple[np.ndarray, np.ndarray, int]:
     return np.array(ordinary).reshape(-1, 4), np.array(in_round).reshape(-1, 4), run.step_idx - first_step_idx
 
 
-def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, cadence: str, num_repeats: int, clock) -> EvictRow:
+def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int, cadence: str, num_repeats: int, clock) -> EvictRow:
     """The round cadences: a cycle's mean, its ordinary steps weighted by their number in it
     and every step of the round added (`time_cycle`); the others: the mean of
-    `num_paced_steps` steps."""
+    `num_window_steps` steps."""
     step_us = modelled_step_us(num_requests, context_tokens)
     means, worst, plans_per_step, moved_per_round, num_steps, num_round_steps, check_us = [], [], [], [], [], [], 0.0
+    max_moved_per_step = 0
     for repeat_idx in range(num_repeats):
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
         num_plans_before, first_step_idx = run.num_plans, run.step_idx
         num_moved_before, num_rounds_before = run.num_tokens_moved, run.num_rounds
+        run.max_moved_per_step = 0  # from here on: the measured steps
         if cadence in ROUND_CADENCES:
             ordinary, in_round, cycle_steps = time_cycle(run)
             num_ordinary = cycle_steps - len(in_round)
@@ -236,14 +241,15 @@ def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, 
             parts = np.vstack((ordinary, in_round))
             num_round_steps.append(len(in_round))
         else:
-            parts = run.run(num_paced_steps)
+            parts = run.run(num_window_steps)
             mean = parts.mean(axis=0)
-            num_round_steps.append(num_paced_steps)
+            num_round_steps.append(num_window_steps)
         means.append(1e6 * mean)
         worst.append(1e6 * float((parts[:, 1] + parts[:, 2]).max()))
         num_steps.append(run.step_idx - first_step_idx)
         plans_per_step.append((run.num_plans - num_plans_before) / num_steps[-1])
         moved_per_round.append((run.num_tokens_moved - num_moved_before) / max(run.num_rounds - num_rounds_before, 1))
+        max_moved_per_step = max(max_moved_per_step, run.max_moved_per_step)
         if repeat_idx == 0:
             check_us = time_check_plan_us(run)
     bookkeeping = [float(m[1] + m[2]) for m in means]
@@ -251,8 +257,8 @@ def measure_evict(num_requests: int, context_tokens: int, num_paced_steps: int, 
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
     budget = run.reclaimer.config.max_moves_per_step
     return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
-                    reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], (min(bookkeeping), max(bookkeeping)),
-                    worst[median], (min(worst), max(worst)), check_us, step_us)
+                    reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
+                    worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks)
 
 
 def measure_evict_paths(num_requests: int, context_tokens: int, num_steps: int, clock) -> EvictPathRow:
@@ -342,10 +348,25 @@ def verdict(share: float) -> str:
     return "met" if share <= TARGET_STEP_SHARE else "MISSED"
 
 
+def step_bound(row: EvictRow) -> int | None:
+    """The most tokens a step's reclamation may move under the row's config: max(budget,
+    B x S) (a budgeted round step launches one plan at least); None without a budget."""
+    if row.max_moves_per_step is None:
+        return None
+    return max(row.max_moves_per_step, row.max_src_blocks * BLOCK_SIZE)
+
+
+def bound_verdict(row: EvictRow) -> str:
+    bound = step_bound(row)
+    if bound is None:
+        return "none"
+    return "held" if row.max_moved_per_step <= bound else "BROKEN"
+
+
 def format_evict(rows: list[EvictRow]) -> str:
     header = (f"{'requests x context':<18} {'cadence':<11} {'moves/step':>10} {'steps':>5} {'round':>5} {'growth':>7} {'evict':>8} {'reclaim':>8} "
               f"{'slots':>7} {'plans/step':>10} {'moved/round':>11} {'step ms':>8} {'evict+reclaim [min-max]':>25} {'% of step':>9} {'1%':>6} "
-              f"{'worst step [min-max]':>24} {'% of step':>9} {'1%':>6}")
+              f"{'worst step [min-max]':>24} {'% of step':>9} {'max moved':>9} {'bound':>6}")
     lines = []
     for r in rows:
         budget = "-" if r.max_moves_per_step is None else str(r.max_moves_per_step)
@@ -354,7 +375,7 @@ def format_evict(rows: list[EvictRow]) -> str:
         lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<11} {budget:>10} {r.num_steps:>5} {r.num_round_steps:>5} {r.growth_us:>7.0f} "
                      f"{r.evict_us:>8.0f} {r.reclaim_us:>8.0f} {r.slots_us:>7.0f} {r.plans_per_step:>10.2f} {r.moved_per_round:>11,.0f} "
                      f"{r.modelled_step_us / 1000:>8.1f} {mean_range:>25} {100 * r.step_share:>9.2f} {verdict(r.step_share):>6} "
-                     f"{worst_range:>24} {100 * r.worst_step_share:>9.2f} {verdict(r.worst_step_share):>6}")
+                     f"{worst_range:>24} {100 * r.worst_step_share:>9.2f} {r.max_moved_per_step:>9,} {bound_verdict(r):>6}")
     return table(header, lines)
 
 
@@ -376,8 +397,11 @@ def format_targets(growth: list[GrowthRow], evicts: list[EvictRow]) -> str:
     lines = [f"table <= {TARGET_TABLE_RATIO}x native at {size_name(r.num_requests, r.context_tokens)}: {r.ratio:.2f}x "
              f"({'met' if r.ratio <= TARGET_TABLE_RATIO else 'MISSED'})" for r in growth]
     lines += [f"evict + reclaim <= 1% of the {r.modelled_step_us / 1000:.1f} ms step at {size_name(r.num_requests, r.context_tokens)}, "
-              f"{r.cadence}: mean {100 * r.step_share:.2f}% ({verdict(r.step_share)}), worst step "
-              f"{100 * r.worst_step_share:.2f}% ({verdict(r.worst_step_share)})" for r in evicts if r.cadence != "every-step"]
+              f"{r.cadence}: mean {100 * r.step_share:.2f}% ({verdict(r.step_share)}); worst step "
+              f"{100 * r.worst_step_share:.2f}% of the step, "
+              + (f"a step's moves bounded by {step_bound(r):,}: {r.max_moved_per_step:,} at most ({bound_verdict(r)})"
+                 if step_bound(r) is not None else f"no bound on a step's moves: {r.max_moved_per_step:,} at most")
+              for r in evicts if r.cadence != "every-step"]
     return "\n".join(lines)
 
 
@@ -419,11 +443,11 @@ def main() -> None:
     num_repeats = 1 if args.quick else args.repeats
     started = time.perf_counter()
     growth, evicts, paths = [], [], []
-    for num_requests, context_tokens, num_growth_steps, num_paced_steps in args.scenarios:
+    for num_requests, context_tokens, num_growth_steps, num_window_steps in args.scenarios:
         print(f"{size_name(num_requests, context_tokens)} ...", flush=True)
         growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
         paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
-        evicts += [measure_evict(num_requests, context_tokens, num_paced_steps, cadence, num_repeats, clock) for cadence in args.cadences]
+        evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock) for cadence in args.cadences]
     moves_size = args.scenarios[0][:2] if args.sizes else (64, 8192)
     moves = measure_moves(*moves_size, 50 if args.quick or args.sizes else 200)
     print("\ngrowth + slots(), no eviction (us per step, all requests)")

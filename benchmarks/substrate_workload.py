@@ -36,7 +36,7 @@ BLOCK_SIZE = 16
 NUM_SINK_TOKENS = 4
 NUM_RECENT_TOKENS = 256
 CADENCES = ("default", "whole-round", "paced", "every-step")
-ROUND_CADENCES = ("default", "whole-round")  # a round starts at a check and ends when it is done
+ROUND_CADENCES = ("default", "whole-round", "paced")  # a round starts at a check and ends when it is done
 # The paced cadence's step moves at most about this share of the modelled decode step's worth
 # of tokens, at HOST_US_PER_MOVE each (a moved token's host cost in plans of a few hundred
 # moves: plan, apply, release, free; measured with this bench on the 2-core machine, 0.3-0.5 us
@@ -163,6 +163,7 @@ class EvictingRun:
         self.clock = clock
         self.step_idx = 0
         self.num_tokens_moved = 0
+        self.max_moved_per_step = 0  # the most tokens one step's reclamation moved
         self.num_blocks_freed_by_eviction = 0
         self.num_blocks_freed_by_plans = 0
         self.num_plans = 0
@@ -211,6 +212,7 @@ class EvictingRun:
             self.num_tokens_moved += plan.num_tokens_moved
             self.num_blocks_freed_by_plans += plan.num_blocks_freed
             self.num_plans += 1
+        self.max_moved_per_step = max(self.max_moved_per_step, sum(plan.num_tokens_moved for plan in completed))
         self.pool.free(np.concatenate([plan.src_block_ids for plan in completed]))
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:

@@ -29,7 +29,8 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
          "--cadences", "default,paced", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600, check=False)
     assert completed.returncode == 0, completed.stderr
-    for heading in ("growth + slots()", "one eviction per request per step", "one evict_one_each", "tokens moved per freed block"):
+    for heading in ("growth + slots()", "one eviction per request per step", "one evict_one_each", "tokens moved per freed block",
+                    "a step's moves bounded by"):
         assert heading in completed.stdout
     result = json.loads(out.read_text())
     rows = {row["cadence"]: row for row in result["evict"]}
@@ -41,6 +42,7 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
         assert row["mean_range_us"][0] <= row["bookkeeping_us"] <= row["mean_range_us"][1]
         assert row["worst_range_us"][0] <= row["worst_us"] <= row["worst_range_us"][1]
         assert f"{100 * row['step_share']:.2f}% ({'met' if row['step_share'] <= 0.01 else 'MISSED'})" in completed.stdout
+        assert row["max_moved_per_step"] <= max(row["max_moves_per_step"], row["max_src_blocks"] * 16)
     assert rows["default"]["max_moves_per_step"] == defaults.RECLAIM_MOVES_PER_STEP
     assert rows["default"]["moved_per_round"] > 0  # the cycle ends with a round that moved tokens
     assert 0 < rows["default"]["num_round_steps"] < rows["default"]["num_steps"]
