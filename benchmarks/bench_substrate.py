@@ -67,7 +67,7 @@ QUICK_SCENARIOS = ((64, 8192, 100, 128),)
 DEFAULT_CADENCES = ("default", "whole-round")
 TARGET_STEP_SHARE = 0.01  # evict + reclaim per step, of the modelled decode step
 TARGET_TABLE_RATIO = 1.05
-MAX_CYCLE_STEPS = 4000  # a default cycle takes about B * S = 1024 steps at one eviction per request
+MAX_CYCLE_STEPS = 8000  # a default cycle takes about B * S = 1024 steps at one eviction per request; paced at 32K about 4,500
 ORDINARY_STEPS = 64  # timed steps of a cycle right after its round; then it advances in bulk
 BULK_STEPS, BULK_MARGIN_F = 32, 0.005  # steps per bulk advance; while F < theta_F - margin
 WINDOW_WARMUP_STEPS = 64  # every-step: after its first round, before measuring
