@@ -134,6 +134,23 @@ def test_one_dropped_copy_is_reported_once_not_again_at_every_read() -> None:
     assert report.tallies["I3"].violations == 0
 
 
+@pytest.mark.parametrize("budget", [2048, None])
+@pytest.mark.parametrize("mode", ["hole-fill", "ordered"])
+def test_the_shared_block_fault_plans_in_every_lazy_round(budget, mode) -> None:
+    # without a budget a lazy round once planned hole-fill outside _plans, where the fault adds its block
+    pool = BlockPool(16, 4)
+    owner, sharer = TokenTable(0, pool), TokenTable(1, pool)
+    owner.sync_new_tokens(pool.allocate(4), 16)
+    owner.pin_prefix(8)
+    pool.share(np.array(owner.held_block_ids[:2]))
+    sharer.attach_shared_prefix(np.array(owner.held_block_ids[:2]), 8)
+    owner.evict_tokens(np.array([9, 10, 13, 14]))
+    fault = FAULTS["shared-block"]()
+    reclaimer = fault.planner_factory()(ReclaimConfig(mode=mode, max_moves_per_step=budget), pool)
+    (plan,) = reclaimer.plan([owner, sharer])
+    assert fault.num_injected == 1 and owner.held_block_ids[1] in plan.src_block_ids
+
+
 def test_independent_i4_rejects_a_plan_over_a_shared_prefix_block() -> None:
     pool = BlockPool(16, 4)
     owner, sharer = TokenTable(0, pool), TokenTable(1, pool)

@@ -139,9 +139,7 @@ class Reclaimer:
         tables = list(tables)
         budget = self.config.max_moves_per_step
         if budget is None:
-            if self.config.mode == "hole-fill":
-                return self._hole_fill_round(tables, busy_req_ids)
-            return self._plans(tables, busy_req_ids, None)
+            return self._plans(tables, busy_req_ids, None)  # every planning entry point plans in _plans
         if not self._round_req_ids:
             self._round_req_ids = self._round_order(tables, busy_req_ids)
         plans = self._plans(self._next_of_round(tables, busy_req_ids, ROUND_PLANNING_SLACK * budget), busy_req_ids, None)
