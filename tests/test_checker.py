@@ -134,10 +134,9 @@ def test_one_dropped_copy_is_reported_once_not_again_at_every_read() -> None:
     assert report.tallies["I3"].violations == 0
 
 
-@pytest.mark.parametrize("budget", [2048, None])
-@pytest.mark.parametrize("mode", ["hole-fill", "ordered"])
-def test_the_shared_block_fault_plans_in_every_lazy_round(budget, mode) -> None:
-    # without a budget a lazy round once planned hole-fill outside _plans, where the fault adds its block
+def owner_and_sharer_with_holes() -> tuple[BlockPool, TokenTable, TokenTable]:
+    """Two requests sharing the owner's 8-token pinned prefix (blocks of 4); the owner has holes
+    past it, so a plan over it has a block to free."""
     pool = BlockPool(16, 4)
     owner, sharer = TokenTable(0, pool), TokenTable(1, pool)
     owner.sync_new_tokens(pool.allocate(4), 16)
@@ -145,6 +144,14 @@ def test_the_shared_block_fault_plans_in_every_lazy_round(budget, mode) -> None:
     pool.share(np.array(owner.held_block_ids[:2]))
     sharer.attach_shared_prefix(np.array(owner.held_block_ids[:2]), 8)
     owner.evict_tokens(np.array([9, 10, 13, 14]))
+    return pool, owner, sharer
+
+
+@pytest.mark.parametrize("budget", [2048, None])
+@pytest.mark.parametrize("mode", ["hole-fill", "ordered"])
+def test_the_shared_block_fault_plans_in_every_lazy_round(budget, mode) -> None:
+    # without a budget a lazy round once planned hole-fill outside _plans, where the fault adds its block
+    pool, owner, sharer = owner_and_sharer_with_holes()
     fault = FAULTS["shared-block"]()
     reclaimer = fault.planner_factory()(ReclaimConfig(mode=mode, max_moves_per_step=budget), pool)
     (plan,) = reclaimer.plan([owner, sharer])
@@ -152,13 +159,7 @@ def test_the_shared_block_fault_plans_in_every_lazy_round(budget, mode) -> None:
 
 
 def test_independent_i4_rejects_a_plan_over_a_shared_prefix_block() -> None:
-    pool = BlockPool(16, 4)
-    owner, sharer = TokenTable(0, pool), TokenTable(1, pool)
-    owner.sync_new_tokens(pool.allocate(4), 16)
-    owner.pin_prefix(8)
-    pool.share(np.array(owner.held_block_ids[:2]))
-    sharer.attach_shared_prefix(np.array(owner.held_block_ids[:2]), 8)
-    owner.evict_tokens(np.array([9, 10, 13, 14]))
+    pool, owner, sharer = owner_and_sharer_with_holes()
     (plan,) = Reclaimer(ReclaimConfig(mode="hole-fill"), pool).plan([owner, sharer])
     check_plan_independently(plan, owner, pool, [])
     bad = replace(plan, src_block_ids=np.sort(np.append(plan.src_block_ids, owner.held_block_ids[0])))
