@@ -3,9 +3,10 @@ in held blocks included, so only compaction makes it cheaper.
 
 Property tests over random workloads, eviction settings and token budgets (prompts chunked
 across steps), on the same admitted requests and no preemption: per step, vToken's KV read is
-never above Naive-Evict's, for every policy with a recent window (one token at least: without
-one, a policy may evict the token just written, and an open tail that is an older, further
-written block is never packed; README, serving fidelity), and Naive-Evict's equals Native's
+never above Naive-Evict's, for every policy with a recent window (one token at least, so the
+open tail always holds the token just written and is a block opened where Naive-Evict opens
+its own; without one, a policy may evict that token, and an open tail that is an older,
+further written block is never packed; README, serving fidelity), and Naive-Evict's equals Native's
 while no block has been handed back (no block fully dead yet). And the reclaimer's packing under memory
 pressure runs only when memory is short: an admission waits for blocks, or the free pool is
 below the next step's growth plus the reserve.
@@ -74,7 +75,7 @@ workloads = st.lists(
     min_size=1, max_size=10,
 ).map(lambda reqs: [replace(r, request_id=str(i)) for i, r in enumerate(reqs)])
 budgets = st.builds(lambda ratio, recent: Budget(keep_ratio=ratio, num_sink_tokens=4, num_recent_tokens=recent),
-                    st.sampled_from([0.2, 0.4, 0.6]), st.sampled_from([1, 8, 16, 32]))
+                    st.sampled_from([0.2, 0.4, 0.6]), st.sampled_from([1, 2, 8, 16, 32]))
 step_budgets = st.sampled_from([64, 256, 8192])  # max_num_batched_tokens: long prompts chunked at 64 and 256
 
 
@@ -126,10 +127,11 @@ def test_fifo_eviction_no_longer_leaves_vtoken_reading_more_than_naive():
 
 
 def test_a_further_written_tail_is_no_longer_read_past_naive():
-    """Request 6 holds as many blocks as naive-evict's at step 203, but its open tail is an
+    """Request 6 holds as many blocks as naive-evict's at step 203, but its open tail was an
     older block, written 13 slots deep where naive-evict's fresh tail holds 4: it read 129
     slots there against naive-evict's 120 until the layout trigger compared KV extents instead
-    of block counts; now it frees a block right after that eviction."""
+    of block counts. Since a packed full tail no longer reopens an older block, its open tail
+    is a fresh block, as naive-evict's is, and no re-pack is needed."""
     lengths = [(8, 123), (141, 123), (108, 299), (239, 163), (272, 200), (239, 166), (36, 81)]
     requests = [Request(str(i), 0.0, *pair) for i, pair in enumerate(lengths)]
     eviction = EvictionConfig("streaming_llm", Budget(keep_ratio=0.2, num_sink_tokens=4, num_recent_tokens=16), 8)
@@ -139,6 +141,23 @@ def test_a_further_written_tail_is_no_longer_read_past_naive():
     assert (naive[203].load.num_kv_slots_read, naive[203].load.num_live_kv_tokens) == (120, 87)
     assert vtoken[203].load.num_kv_slots_read <= 120
     assert all(v.load.num_kv_slots_read <= n.load.num_kv_slots_read for n, v in zip(naive, vtoken, strict=True))
+
+
+def test_a_packed_full_tail_keeps_the_open_tail_in_phase_with_naive():
+    """Request 1 packed its full tail (4 live tokens) into its sink block at 32 tokens. When
+    that block became the tail again with its cursor after the moved tokens, the request wrote
+    from offset 8 there, out of phase with Naive-Evict's fresh blocks: at 55 tokens it held as
+    many blocks but read 31 slots against 23, the excess in an open tail that no re-pack may
+    move. Now a full tail that goes leaves the new tail full, and the next token opens a fresh
+    block, as Naive-Evict's does."""
+    requests = [Request("0", 0.0, 185, 4), Request("1", 0.0, 8, 49)]
+    eviction = EvictionConfig("streaming_llm", Budget(keep_ratio=0.2, num_sink_tokens=4, num_recent_tokens=1), 8)
+    scheduler = SchedulerConfig(max_num_batched_tokens=64)
+    naive, _ = replay(make_config("naive-evict", eviction, scheduler=scheduler), requests)
+    vtoken, _ = replay(make_config("vtoken", eviction, scheduler=scheduler), requests)
+    assert (naive[51].num_tokens, naive[51].load.num_kv_slots_read) == (55, 23)  # the step of the case
+    assert all(v.load.num_kv_slots_read <= n.load.num_kv_slots_read for n, v in zip(naive, vtoken, strict=True))
+    assert sum(v.load.num_copied_tokens for v in vtoken) > 0  # it still compacts
 
 
 def test_compaction_shrinks_the_read_and_the_step_time():

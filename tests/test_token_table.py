@@ -563,6 +563,18 @@ def test_releasing_the_tail_moves_the_cursor_after_the_last_live_token_of_the_ne
     assert table.token_block_ids[10:13].tolist() == [1, 1, 2]
 
 
+def test_a_full_tail_packed_away_leaves_the_new_tail_full() -> None:
+    pool = make_pool()
+    table = make_table(pool, 12)  # blocks 0, 1, 2, all full
+    evict(table, [1, 2, 7, 8, 9])
+    #   block 0: [0 . . 3]  block 1: [4 5 6 .]  block 2 (tail, full): [. . 10 11]
+    table.apply_moves(make_moves([(10, 2, 2, 0, 1), (11, 2, 3, 0, 2)]))
+    assert release_empty_blocks(table) == [2]
+    assert (table.held_block_ids.tolist(), table.tail_num_written) == ([0, 1], S)  # not reopened at offset 3 of block 1
+    assert grow(table, 1) == [2]  # a fresh block, as the uncompacted layout's next token opens
+    assert table.token_block_ids[12] == 2 and table.token_offsets[12] == 0
+
+
 def test_releasing_every_block_resets_the_cursor() -> None:
     pool = make_pool()
     table = make_table(pool, 3)

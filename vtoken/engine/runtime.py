@@ -263,10 +263,12 @@ class Runtime:
         """An eviction can leave a request's KV extent (what attention reads) above the one its
         tokens would have without any compaction: lazy hole-fill moved young tokens into the
         holes of old blocks, and FIFO eviction (StreamingLLM) then killed the old tokens around
-        them, so those blocks stay held where naive-evict frees them whole; or a request holds
-        as many blocks as uncompacted but its open tail is further written (its tail is an
-        older block). Pack that request now, freeing blocks until its extent is no longer above,
-        as far as its live tokens allow (the open tail itself is never packed)."""
+        them, so those blocks stay held where naive-evict frees them whole; or, once an
+        eviction emptied an open tail (a policy without a recent window), a request holds as
+        many blocks as uncompacted but its open tail is an older block written further (a
+        packed full tail never reopens one: `TokenTable._drop_held`). Pack that request now,
+        freeing blocks until its extent is no longer above, as far as its live tokens allow
+        (the open tail itself is never packed)."""
         block_size = table.block_size
         if not table.num_tokens or table.num_blocks <= -(-table.num_live_tokens // block_size):
             return  # no layout holds fewer blocks than its live tokens fill

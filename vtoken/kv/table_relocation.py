@@ -139,7 +139,7 @@ class RelocationVerbs:
     def release_blocks(self, block_ids: np.ndarray) -> None:
         """Forget blocks that hold no live token of this request (the caller frees them).
 
-        When the tail goes, the cursor moves to the end of the last live token of the new tail.
+        When the tail goes, the block before it becomes the tail (`_drop_held`).
         """
         released = np.asarray(block_ids, dtype=np.int64).ravel()
         if released.size == 0:
@@ -174,13 +174,26 @@ class RelocationVerbs:
     def _drop_held(self, start: int, is_dropped: np.ndarray) -> None:
         """Forget the held blocks from position `start` on that `is_dropped` marks (one entry
         per block from there to the tail). When the tail goes, the block before it becomes the
-        tail and the cursor moves to the end of its last live token."""
+        tail. A full tail changes nothing for the next token, which opens a fresh block either
+        way, so the new tail is full too: its cursor stays at S. An open tail that went (every
+        token written to it evicted) hands the cursor to the end of the new tail's last live
+        token.
+
+        Why a packed full tail does not reopen the block its tokens moved into: the open tail
+        is then always a block opened when the request's token count was a multiple of S, where
+        an uncompacted layout opens its own, so both write it equally far and compaction never
+        makes attention read past what Naive-Evict reads. Reopening it would shift that phase:
+        StreamingLLM at 20% with 1 recent token, a request of 8 + 49 tokens (beside one of
+        185 + 4) packed its full tail of 4 live tokens into its sink block at 32 tokens and
+        wrote from offset 8 there, then read 31 slots at 55 tokens where Naive-Evict read 23,
+        the excess in an open tail no re-pack may move."""
+        was_full = self.tail_num_written == self.block_size
         kept = self._held[start : self._num_held][~is_dropped]
         self._held[start : start + kept.size] = kept
         self._num_held = start + kept.size
         if is_dropped[-1]:
             self._tail_slot = int(self._held[self._num_held - 1]) * self.block_size if self._num_held else 0
-            self.tail_num_written = self._cursor_after_last_live()
+            self.tail_num_written = self.block_size if was_full and self._num_held else self._cursor_after_last_live()
         self.layout_version += 1
 
     def set_tail_cursor(self, num_written: int) -> None:
