@@ -127,11 +127,10 @@ def test_fifo_eviction_no_longer_leaves_vtoken_reading_more_than_naive():
 
 
 def test_a_further_written_tail_is_no_longer_read_past_naive():
-    """Request 6 holds as many blocks as naive-evict's at step 203, but its open tail was an
+    """Request 6 held as many blocks as naive-evict's at step 203, but its open tail was an
     older block, written 13 slots deep where naive-evict's fresh tail holds 4: it read 129
-    slots there against naive-evict's 120 until the layout trigger compared KV extents instead
-    of block counts. Since a packed full tail no longer reopens an older block, its open tail
-    is a fresh block, as naive-evict's is, and no re-pack is needed."""
+    slots there against naive-evict's 120. A packed full tail no longer reopens an older block,
+    so its open tail is a fresh block, as naive-evict's is."""
     lengths = [(8, 123), (141, 123), (108, 299), (239, 163), (272, 200), (239, 166), (36, 81)]
     requests = [Request(str(i), 0.0, *pair) for i, pair in enumerate(lengths)]
     eviction = EvictionConfig("streaming_llm", Budget(keep_ratio=0.2, num_sink_tokens=4, num_recent_tokens=16), 8)

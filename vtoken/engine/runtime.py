@@ -23,7 +23,7 @@ import numpy as np
 
 from vtoken.engine.batch import Batch, ReqState, TableFactory
 from vtoken.engine.eviction import EvictionEvent, EvictionSchedule
-from vtoken.engine.executor import ChunkLoad, CopyCostModel, Executor, StepLoad, kv_extent
+from vtoken.engine.executor import ChunkLoad, CopyCostModel, Executor, StepLoad
 from vtoken.engine.experiment import Run
 from vtoken.engine.observer import NullObserver, RuntimeObserver
 from vtoken.engine.scheduler import Scheduler, SchedulerLimits
@@ -260,20 +260,18 @@ class Runtime:
             self._reclaim(num_short)
 
     def _repack_if_worse_than_uncompacted(self, table: TokenTable) -> None:
-        """An eviction can leave a request's KV extent (what attention reads) above the one its
-        tokens would have without any compaction: lazy hole-fill moved young tokens into the
-        holes of old blocks, and FIFO eviction (StreamingLLM) then killed the old tokens around
-        them, so those blocks stay held where naive-evict frees them whole; or, once an
-        eviction emptied an open tail (a policy without a recent window), a request holds as
-        many blocks as uncompacted but its open tail is an older block written further (a
-        packed full tail never reopens one: `TokenTable._drop_held`). Pack that request now,
-        freeing blocks until its extent is no longer above, as far as its live tokens allow
-        (the open tail itself is never packed)."""
-        block_size = table.block_size
-        if not table.num_tokens or table.num_blocks <= -(-table.num_live_tokens // block_size):
+        """An eviction can leave a request holding more blocks than its tokens would without
+        any compaction: lazy hole-fill moved young tokens into the holes of old blocks, and
+        FIFO eviction (StreamingLLM) then killed the old tokens around them, so those blocks
+        stay held where naive-evict frees them whole. Pack that request now, freeing the
+        excess, as far as its live tokens allow (the open tail itself is never packed). Block
+        counts decide what attention reads, (blocks - 1) x S plus the open tail's written
+        slots, because the open tail is written as far as the uncompacted layout's: a packed
+        full tail leaves the new tail full (`TokenTable._drop_held`). Only an eviction that
+        empties the open tail (a policy without a recent window) moves that cursor."""
+        if not table.num_tokens or table.num_blocks <= -(-table.num_live_tokens // table.block_size):
             return  # no layout holds fewer blocks than its live tokens fill
-        uncompacted_extent = (num_uncompacted_blocks(table) - 1) * block_size + (table.num_tokens - 1) % block_size + 1
-        num_excess = -(-(kv_extent(table) - uncompacted_extent) // block_size)
+        num_excess = table.num_blocks - num_uncompacted_blocks(table)
         if num_excess > 0 and table.req_id not in self._busy_req_ids:
             self._reclaim(num_excess, [table], "layout")
 

@@ -175,18 +175,12 @@ class RelocationVerbs:
         """Forget the held blocks from position `start` on that `is_dropped` marks (one entry
         per block from there to the tail). When the tail goes, the block before it becomes the
         tail. A full tail changes nothing for the next token, which opens a fresh block either
-        way, so the new tail is full too: its cursor stays at S. An open tail that went (every
-        token written to it evicted) hands the cursor to the end of the new tail's last live
-        token.
-
-        Why a packed full tail does not reopen the block its tokens moved into: the open tail
-        is then always a block opened when the request's token count was a multiple of S, where
-        an uncompacted layout opens its own, so both write it equally far and compaction never
-        makes attention read past what Naive-Evict reads. Reopening it would shift that phase:
-        StreamingLLM at 20% with 1 recent token, a request of 8 + 49 tokens (beside one of
-        185 + 4) packed its full tail of 4 live tokens into its sink block at 32 tokens and
-        wrote from offset 8 there, then read 31 slots at 55 tokens where Naive-Evict read 23,
-        the excess in an open tail no re-pack may move."""
+        way, so the new tail is full too (its cursor stays at S): the open tail is then always
+        a block opened when the request held a multiple of S tokens, as the uncompacted
+        layout's is, so compaction never makes attention read further into it (reopening the
+        block the tail's tokens moved into did: tests/test_serving_fidelity.py, a packed full
+        tail). An open tail that went (every token written to it evicted) hands the cursor to
+        the end of the new tail's last live token."""
         was_full = self.tail_num_written == self.block_size
         kept = self._held[start : self._num_held][~is_dropped]
         self._held[start : start + kept.size] = kept
