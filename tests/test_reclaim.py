@@ -573,13 +573,16 @@ def test_bad_pressure_reserve_raises() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.booleans(), min_size=0, max_size=6 * S))
-def test_uncompacted_blocks_are_the_logical_blocks_with_a_live_token_and_the_one_being_written(live: list[bool]) -> None:
-    pool = BlockPool(32, S)
+@given(st.sampled_from([S, 12, 16, 32]), st.data())
+def test_uncompacted_blocks_are_the_logical_blocks_with_a_live_token_and_the_one_being_written(
+        block_size: int, data: st.DataObject) -> None:
+    # block sizes of 8, 16, 32 and 64 count each block's live bits as one packed word; others by rows
+    live = data.draw(st.lists(st.booleans(), min_size=0, max_size=6 * block_size))
+    pool = BlockPool(32, block_size)
     table = TokenTable(0, pool)
     table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(len(live))), len(live))
     dead = [i for i, is_live in enumerate(live) if not is_live]
     if dead:
         table.evict_tokens(np.array(dead))
-    logical = {i // S for i, is_live in enumerate(live) if is_live} | ({(len(live) - 1) // S} if live else set())
+    logical = {i // block_size for i, is_live in enumerate(live) if is_live} | ({(len(live) - 1) // block_size} if live else set())
     assert num_uncompacted_blocks(table) == len(logical)

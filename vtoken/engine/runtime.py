@@ -242,8 +242,9 @@ class Runtime:
         self._counts["eviction_events"] += 1
         if state.req_idx in self._busy_req_ids:
             return  # blocks of a request with a copy in flight are released when it lands
-        table.release_blocks(emptied)
-        self.pool.free(emptied)
+        if emptied.size:
+            table.release_blocks(emptied)
+            self.pool.free(emptied)
         if self.reclaimer is not None:
             self._repack_if_worse_than_uncompacted(table)
 

@@ -148,11 +148,12 @@ def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[Relocat
     src_ends = np.cumsum(num_src)
     src_block_of, src_offset_of = slots // block_size, slots % block_size
     dst_block_of, dst_offset_of = dst_slots // block_size, dst_slots % block_size
+    move_ends, num_moves, src_ends, num_src = move_ends.tolist(), num_moves.tolist(), src_ends.tolist(), num_src.tolist()
     for k in np.flatnonzero(planned).tolist():
         table = movables.tables[k]
-        a, b = int(move_ends[k] - num_moves[k]), int(move_ends[k])
+        a, b = move_ends[k] - num_moves[k], move_ends[k]
         moves = Moves(token_ids[a:b], src_block_of[a:b], src_offset_of[a:b], dst_block_of[a:b], dst_offset_of[a:b])
-        sources = src_blocks_sorted[int(src_ends[k] - num_src[k]) : int(src_ends[k])]
+        sources = src_blocks_sorted[src_ends[k] - num_src[k] : src_ends[k]]
         plans[k] = RelocationPlan(table.req_id, "hole-fill", moves, sources, NO_BLOCKS, table.layout_version)
     return plans
 

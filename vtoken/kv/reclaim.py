@@ -286,6 +286,15 @@ def num_uncompacted_blocks(table: TokenTable) -> int:
     """
     if not table.num_tokens:
         return 0
-    num_before_writing = (table.num_tokens - 1) // table.block_size  # the block being written counts, live or not
-    live = table.live_mask[: num_before_writing * table.block_size].reshape(num_before_writing, table.block_size)
-    return int(np.count_nonzero(live.any(axis=1))) + 1
+    block_size = table.block_size
+    num_before_writing = (table.num_tokens - 1) // block_size  # the block being written counts, live or not
+    live = table.live_mask[: num_before_writing * block_size]
+    word = _BLOCK_BITS_WORD.get(block_size)
+    if word is None:
+        return int(np.count_nonzero(live.reshape(num_before_writing, block_size).any(axis=1))) + 1
+    # a block's live bits packed into one unsigned word: nonzero when any of them is set
+    return int(np.count_nonzero(np.packbits(live).view(word))) + 1
+
+
+# block sizes whose live bits pack into one unsigned integer (np.packbits: 8 bits a byte)
+_BLOCK_BITS_WORD = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}

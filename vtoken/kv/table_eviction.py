@@ -116,8 +116,9 @@ class EvictionVerbs:
     def _check_evictable(self, token_ids: np.ndarray) -> None:
         """Raises for an unknown, dead, pinned or repeated id. Ids that ascend (a policy's
         victims) are distinct and within their two ends: one comparison pass and one gather."""
-        if ((token_ids[1:] > token_ids[:-1]).all() and token_ids.item(0) >= self.num_pinned_tokens
-                and token_ids.item(-1) < self.num_tokens and self._live[token_ids].all()):
+        if (token_ids.item(0) >= self.num_pinned_tokens and token_ids.item(-1) < self.num_tokens
+                and not np.count_nonzero(token_ids[1:] <= token_ids[:-1])
+                and np.count_nonzero(self._live[token_ids]) == token_ids.size):
             return
         out_of_range = (token_ids < 0) | (token_ids >= self.num_tokens)
         if out_of_range.any():

@@ -76,14 +76,18 @@ class RelocationVerbs:
         # the pool's side: live tokens leave their sources and join their destinations
         block_size = pool.block_size
         src_blocks, dst_blocks, src_slots, dst_slots, moved_ids, repoints = [], [], [], [], [], []
-        for table, table_moves, _ in work:
+        for table, table_moves, version in work:
             table_dst_slots = table_moves.dst_slots(block_size)
-            live = table._live[table_moves.token_ids]
-            has_live = bool(live.any())
+            if version == table.layout_version:  # checked at this layout: every moved token is live
+                live = None
+                has_live = True
+            else:
+                live = table._live[table_moves.token_ids]
+                has_live = bool(live.any())
             repoints.append((table, table_moves.token_ids, table_dst_slots, has_live))
             if not has_live:
                 continue
-            if live.all():  # the usual case: nothing was evicted while the copy was in flight
+            if live is None or live.all():  # the usual case: nothing was evicted while the copy was in flight
                 kept, kept_dst_slots = table_moves, table_dst_slots
             else:
                 kept, kept_dst_slots = table_moves.select(live), table_dst_slots[live]

@@ -160,9 +160,7 @@ def protected_mask(view: RequestView) -> np.ndarray:
 def unprotected_range(view: RequestView) -> tuple[int, int]:
     """[lo, hi): the positions of view.token_ids that `protected_mask` leaves out. The ids
     ascend, so the sinks are a prefix of them and the recent window a suffix."""
-    token_ids = view.token_ids
-    lo = int(token_ids.searchsorted(view.num_sink_tokens))
-    hi = int(token_ids.searchsorted(view.num_logical_tokens - view.num_recent_tokens))
+    lo, hi = view.token_ids.searchsorted((view.num_sink_tokens, view.num_logical_tokens - view.num_recent_tokens)).tolist()
     return lo, max(lo, hi)
 
 
