@@ -114,8 +114,8 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         num_tokens)."""
         stop = self.num_tokens if stop is None else min(stop, self.num_tokens)
         if start <= 0:
-            return np.flatnonzero(self._live[:stop])
-        return np.flatnonzero(self._live[start:stop]) + start
+            return self._live[:stop].nonzero()[0]  # np.flatnonzero, without its Python wrapper's ravel
+        return self._live[start:stop].nonzero()[0] + start
 
     def evicted_token_ids(self) -> np.ndarray:
         return np.flatnonzero(~self._live[: self.num_tokens])
