@@ -67,6 +67,7 @@ class Runtime:
         self.experiment = experiment
         self.spec = spec
         self.executor = executor
+        self._prices_copies = isinstance(executor, CopyCostModel)  # a runtime-checkable Protocol: slow to ask per round
         self.num_output_tokens = sum(r.num_output_tokens for r in requests)  # the progress total
         self.pool = BlockPool(experiment.num_blocks, experiment.block_size)
         limits = SchedulerLimits(scheduling.max_num_batched_tokens, scheduling.max_num_seqs,
@@ -290,7 +291,7 @@ class Runtime:
         else:
             plans, trigger = self.reclaimer.plan_to_free(tables, busy, num_blocks_short), "pressure"
         num_moved = sum(p.num_tokens_moved for p in plans)
-        copy_s = self.executor.raw_copy_time_s(num_moved) if isinstance(self.executor, CopyCostModel) else None
+        copy_s = self.executor.raw_copy_time_s(num_moved) if self._prices_copies else None
         self.reclaim_work[trigger] = self.reclaim_work[trigger].plus(
             len(plans), num_moved, sum(p.num_blocks_freed for p in plans), copy_s)
         # I4 for the whole round at once; plan by plan (each checked, then launched) only when
