@@ -1,0 +1,53 @@
+"""benchmarks/bench_instructions.py: bad input is a one-line error with exit code 2 before
+anything runs under valgrind; where valgrind is installed, a replay of a few requests counts
+instructions for every variant it was given. No count is checked: figures come from the
+benchmark."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_instructions.py"
+SAMPLE = ROOT / "sample_traces" / "azure_conv_sample.csv"
+
+
+def run(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--variants", "native,fast"), "--variants: unknown variant 'fast'; known: native, naive-evict, vtoken"),
+    (("--max-requests", "0"), "--max-requests must be at least 1, got 0"),
+    (("--azure", "/nonexistent/trace.csv"), "--azure: no trace at /nonexistent/trace.csv"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
+    completed = run(*args)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [f"bench_instructions: {message}"]
+    assert completed.stdout == ""
+
+
+def test_without_valgrind_it_says_so_and_exits_2(tmp_path: Path) -> None:
+    completed = run("--azure", str(SAMPLE), path=str(tmp_path))  # an empty directory: no valgrind on PATH
+    assert completed.returncode == 2
+    assert completed.stderr.strip() == "bench_instructions: valgrind is not on PATH (it counts the instructions)"
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_it_counts_a_few_requests_per_variant() -> None:
+    completed = run("--azure", str(SAMPLE), "--max-requests", "2", "--variants", "vtoken")
+    assert completed.returncode == 0, completed.stderr
+    last = completed.stdout.splitlines()[-1]
+    assert last.startswith("vtoken       instructions ") and last.endswith(" M")
+    assert float(last.split()[2].replace(",", "")) > 0
