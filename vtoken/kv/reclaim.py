@@ -46,6 +46,10 @@ RECLAIM_MODES = ("hole-fill", "ordered")
 # freed block); the plans past the budget wait for the next step.
 ROUND_PLANNING_SLACK = 2
 
+# block sizes whose live bits pack into one unsigned word (np.packbits: 8 bits a byte), for
+# num_uncompacted_blocks
+_BLOCK_BITS_WORD = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+
 
 @dataclass(frozen=True)
 class ReclaimConfig:
@@ -295,7 +299,3 @@ def num_uncompacted_blocks(table: TokenTable) -> int:
         return int(np.count_nonzero(live.reshape(num_before_writing, block_size).any(axis=1))) + 1
     # a block's live bits packed into one unsigned word: nonzero when any of them is set
     return int(np.count_nonzero(np.packbits(live).view(word))) + 1
-
-
-# block sizes whose live bits pack into one unsigned integer (np.packbits: 8 bits a byte)
-_BLOCK_BITS_WORD = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
