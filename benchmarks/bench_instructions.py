@@ -12,7 +12,8 @@ the other then replays what `vtoken compare TRACE --open-loop --no-sweep --no-fr
 (default model, GPU and block budget, H2O at 50%). The replay's count is the difference.
 Counts of one configuration repeat within about 0.3% (allocation addresses, the garbage
 collector's timing). `--cache-sim` also simulates the caches, the last level set to 1 MiB as
-this kind of machine's per-core L2, and reports the replay's data misses at both levels.
+this kind of machine's per-core L2, and reports the replay's instruction-cache misses and its
+data misses at both levels.
 
 An instruction ratio is not a time ratio: the work beyond native's is numpy calls on arrays a
 step has not touched yet, which cost more per instruction than the interpreter's loop over
@@ -35,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 VARIANTS = ("native", "naive-evict", "vtoken")
-COUNTERS = {"instructions": r"I\s+refs:\s+([\d,]+)", "D1 misses": r"D1\s+misses:\s+([\d,]+)",
-            "LL data misses": r"LLd misses:\s+([\d,]+)"}
+COUNTERS = {"instructions": r"I\s+refs:\s+([\d,]+)", "I1 misses": r"I1\s+misses:\s+([\d,]+)",
+            "D1 misses": r"D1\s+misses:\s+([\d,]+)", "LL data misses": r"LLd misses:\s+([\d,]+)"}
 
 
 def fail(message: str) -> None:

@@ -262,19 +262,12 @@ class BlockPool:
             counts: dict[int, int] = {}
             for block_id in block_ids.tolist():
                 counts[block_id] = counts.get(block_id, 0) + 1
-            # `_recount` of each block, inlined: this runs at every eviction event
-            live_counts, histogram, bin_of, is_le_half = self._live_counts, self._histogram, self._bin_list, self._is_le_half_list
-            emptied, num_le_half_change = [], 0
+            emptied = []
             for block_id, count in counts.items():
-                old_count = live_counts.item(block_id)
-                new_count = old_count - count
-                live_counts[block_id] = new_count
-                histogram[bin_of[old_count]] -= 1
-                histogram[bin_of[new_count]] += 1
-                num_le_half_change += is_le_half[new_count] - is_le_half[old_count]
-                if not new_count:
+                old_count = self._live_counts.item(block_id)
+                self._recount(block_id, old_count, old_count - count)
+                if old_count == count:
                     emptied.append(block_id)
-            self._num_blocks_le_half += num_le_half_change
             self.num_live_tokens -= block_ids.size
             return np.array(sorted(emptied), dtype=np.int64) if emptied else NO_BLOCKS
         distinct, counts = count_by_block(block_ids)
