@@ -3,13 +3,24 @@ TRACE --open-loop --no-sweep --no-frontier --variants V` replays (default model,
 budget, H2O at 50%). Host seconds, not a test.
 
     python benchmarks/bench_variants.py [--azure PATH] [--rounds 2] [--max-requests N] [--eviction-interval T]
-                                        [--variants V,...] [--phases]
+                                        [--variants V,...] [--interleave STEPS] [--phases]
 
 The trace is read once; a short replay of every variant warms up (imports, first allocations)
 and is not counted; then each round replays every variant, the order reversed every other
 round, so that a slow spell of the machine hits all of them. Per variant: wall seconds
 (RunResult.host_time_s) and this process's CPU seconds, median and range over the rounds, and
-each median over native's. Every round must give the same results (checked).
+each median over native's; then each round's own ratios. Every round must give the same
+results (checked).
+
+`--interleave STEPS`: a round replays the variants side by side instead of one after another:
+STEPS steps of one variant's runtime, then STEPS of the next, the order reversed at every turn,
+each variant's seconds summed over its own turns (building the runtime and its result
+included). A slow spell of a shared host, which lasts longer than a turn, then hits every
+variant of the round alike, where one replay after another leaves it to whichever ran then.
+The replays are independent (each runtime owns its executor, pool and policy), so they give
+the results a replay alone gives (tests/test_bench_variants.py checks it on the sample). A
+turn of 1,000 steps is about a tenth of a second of native's replay: long against what its
+caches need to fill again after another variant's turn.
 
 `--phases`: after the rounds, one more replay of every variant with the runtime's phases timed
 (CPU seconds, calls and microseconds per call of Runtime.schedule, execute and postprocess, and
@@ -24,14 +35,16 @@ import argparse
 import collections
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from vtoken import defaults
 from vtoken.compare import variant_to_json
-from vtoken.engine import VARIANTS, Experiment, Runtime, run_sim
+from vtoken.engine import VARIANTS, Experiment, Runtime, run_sim, sim_runtime
 from vtoken.engine.experiment import EvictionConfig
 from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
+from vtoken.metrics import RunResult
 from vtoken.model_spec import resolve_model
 from vtoken.trace import load_trace, within_context
 
@@ -49,17 +62,29 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--eviction-interval", type=int, default=defaults.EVICTION_INTERVAL_TOKENS,
                         help="the policy runs every T generated tokens (1: every request evicts every step)")
+    parser.add_argument("--interleave", type=int, metavar="STEPS",
+                        help="replay the variants of a round side by side, STEPS steps of each in turn")
     parser.add_argument("--phases", action="store_true", help="then one replay per variant with the runtime's phases timed")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        fail(f"--variants: unknown variant '{unknown[0]}'; known: {', '.join(VARIANTS)}")
+    if args.rounds < 1:
+        fail(f"--rounds must be at least 1, got {args.rounds}")
+    if args.interleave is not None and args.interleave < 1:
+        fail(f"--interleave must be at least 1 step, got {args.interleave}")
+    if not Path(args.azure).is_file():
+        fail(f"--azure: no trace at {args.azure}")
     model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
     num_blocks = num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE)
     trace = within_context(load_trace(args.azure, max_requests=args.max_requests), model.max_model_len)
     requests = trace.requests
-    variants = args.variants.split(",")
     experiment = Experiment(model, gpu, num_blocks,
                             eviction=EvictionConfig(interval_tokens=args.eviction_interval))
+    how = f"side by side, {args.interleave} steps a turn" if args.interleave else "one after another"
     print(f"{len(requests)} requests, open loop, {model.name} on {gpu.name}, {num_blocks} blocks, "
-          f"eviction every {args.eviction_interval} tokens, "
+          f"eviction every {args.eviction_interval} tokens, variants {how}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start", flush=True)
     for variant in variants:
         run_sim(experiment.run(variant, None), requests[:NUM_WARMUP_REQUESTS])
@@ -67,13 +92,16 @@ def main() -> None:
     cpu_s: dict[str, list[float]] = {v: [] for v in variants}
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for round_idx in range(args.rounds):
-        for variant in variants if round_idx % 2 == 0 else variants[::-1]:
-            started_cpu = time.process_time()
-            result = run_sim(experiment.run(variant, None), requests)
-            cpu_s[variant].append(time.process_time() - started_cpu)
-            wall_s[variant].append(result.host_time_s)
+        order = variants if round_idx % 2 == 0 else variants[::-1]
+        if args.interleave:
+            replays = interleaved(experiment, order, requests, args.interleave)
+        else:
+            replays = {variant: alone(experiment, variant, requests) for variant in order}
+        for variant, (result, wall, cpu) in replays.items():
+            cpu_s[variant].append(cpu)
+            wall_s[variant].append(wall)
             results[variant].append(variant_to_json(result))
-            print(f"round {round_idx + 1}: {variant:12s} {result.host_time_s:7.1f} s wall, {cpu_s[variant][-1]:7.1f} s CPU, "
+            print(f"round {round_idx + 1}: {variant:12s} {wall:7.1f} s wall, {cpu:7.1f} s CPU, "
                   f"{result.num_decode_steps} decode steps, load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"\n{'variant':12s} {'wall s (median, range)':>26s} {'CPU s (median, range)':>26s} {'wall / native':>13s} "
           f"{'CPU / native':>12s}")
@@ -85,6 +113,12 @@ def main() -> None:
                       f"{statistics.median(cpu) / statistics.median(cpu_s['native']):12.2f}")
         print(f"{variant:12s} {statistics.median(wall):8.1f} ({min(wall):6.1f}-{max(wall):6.1f}) "
               f"{statistics.median(cpu):13.1f} ({min(cpu):6.1f}-{max(cpu):6.1f}) {ratios}")
+    if "native" in variants and len(variants) > 1:
+        for variant in variants:
+            if variant != "native":
+                ratios = [cpu / base for cpu, base in zip(cpu_s[variant], cpu_s["native"])]
+                print(f"{variant} / native CPU, round by round: {', '.join(f'{r:.2f}' for r in ratios)} "
+                      f"(median {statistics.median(ratios):.2f})")
     print(f"same results in every round: {all(all(r == rs[0] for r in rs) for rs in results.values())}; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     if args.phases:
@@ -94,6 +128,55 @@ def main() -> None:
             for phase in PHASES:
                 if calls[phase]:
                     print(f"{variant:12s} {phase:12s} {seconds[phase]:8.2f} {calls[phase]:8d} {1e6 * seconds[phase] / calls[phase]:11.1f}")
+
+
+def fail(message: str) -> None:
+    print(f"bench_variants: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def alone(experiment: Experiment, variant: str, requests: list) -> tuple[RunResult, float, float]:
+    """One replay of `variant`: its result, wall seconds and CPU seconds."""
+    started_cpu = time.process_time()
+    result = run_sim(experiment.run(variant, None), requests)
+    return result, result.host_time_s, time.process_time() - started_cpu
+
+
+def interleaved(experiment: Experiment, variants: list[str], requests: list,
+                steps_per_turn: int) -> dict[str, tuple[RunResult, float, float]]:
+    """One replay of every variant, side by side: `steps_per_turn` steps of each runtime in
+    turn, the order reversed at every turn. Per variant: its result, and the wall and CPU
+    seconds of its own turns (building its runtime and its result included)."""
+    wall = dict.fromkeys(variants, 0.0)
+    cpu = dict.fromkeys(variants, 0.0)
+    runtimes: dict[str, Runtime] = {}
+
+    def timed(variant: str, work):
+        started_wall, started_cpu = time.perf_counter(), time.process_time()
+        out = work()
+        wall[variant] += time.perf_counter() - started_wall
+        cpu[variant] += time.process_time() - started_cpu
+        return out
+
+    for variant in variants:
+        runtimes[variant] = timed(variant, lambda: sim_runtime(experiment.run(variant, None), requests))
+    active, turn = list(variants), 0
+    while active:
+        for variant in active if turn % 2 == 0 else active[::-1]:
+            runtime = runtimes[variant]
+            timed(variant, lambda: steps(runtime, steps_per_turn))
+        active = [variant for variant in active if runtimes[variant].has_work()]
+        turn += 1
+    return {variant: (timed(variant, lambda: runtimes[variant].finish(wall[variant])), wall[variant], cpu[variant])
+            for variant in variants}
+
+
+def steps(runtime: Runtime, num_steps: int) -> None:
+    """Up to `num_steps` steps of `runtime`, fewer when it runs out of work."""
+    for _ in range(num_steps):
+        if not runtime.has_work():
+            return
+        runtime.step()
 
 
 def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:

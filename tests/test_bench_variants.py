@@ -1,6 +1,8 @@
 """benchmarks/bench_variants.py runs end to end on the bundled sample: every variant's row, the
 same results in every round, and with --phases the runtime's phases per variant (eviction only
-where the variant evicts, reclamation only in vtoken). No timing is checked."""
+where the variant evicts, reclamation only in vtoken); the variants replayed side by side
+(--interleave) give the results each gives alone; bad input is a one-line error. No timing is
+checked."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,3 +32,47 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
         assert phases[(variant, "schedule")] >= phases[(variant, "execute")] == phases[(variant, "postprocess")] > 0
     assert ("native", "_evict") not in phases and phases[("naive-evict", "_evict")] > 0 and phases[("vtoken", "_evict")] > 0
     assert ("naive-evict", "_reclaim") not in phases and phases[("vtoken", "_reclaim")] > 0
+
+
+def test_variants_side_by_side_give_the_results_each_gives_alone() -> None:
+    """--interleave's premise: stepping the variants' runtimes in turns, a few steps each (here
+    fewer than a replay has, so that every runtime is left mid-run many times, copies in flight
+    included), changes none of their results."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_variants import alone, interleaved
+    finally:
+        sys.path.pop(0)
+    from vtoken import defaults
+    from vtoken.compare import variant_to_json
+    from vtoken.engine import VARIANTS, Experiment
+    from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
+    from vtoken.model_spec import resolve_model
+    from vtoken.trace import load_trace, within_context
+
+    model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
+    requests = within_context(load_trace(ROOT / "sample_traces" / "azure_conv_sample.csv", max_requests=80),
+                              model.max_model_len).requests
+    # a small pool, so that vtoken packs under pressure too, not only in lazy rounds
+    experiment = Experiment(model, gpu, num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE) // 40)
+    side_by_side = interleaved(experiment, list(VARIANTS), requests, 7)
+    for variant in VARIANTS:
+        result, wall_s, cpu_s = side_by_side[variant]
+        assert cpu_s > 0 and 0 < result.host_time_s <= wall_s
+        assert variant_to_json(result) == variant_to_json(alone(experiment, variant, requests)[0]), variant
+    assert side_by_side["vtoken"][0].pressure_reclaim.num_plans > 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--variants", "native,fast"), "--variants: unknown variant 'fast'; known: native, naive-evict, vtoken"),
+    (("--rounds", "0"), "--rounds must be at least 1, got 0"),
+    (("--interleave", "0"), "--interleave must be at least 1 step, got 0"),
+    (("--azure", "/nonexistent/trace.csv"), "--azure: no trace at /nonexistent/trace.csv"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_variants.py"), *args],
+                               capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [f"bench_variants: {message}"]
+    assert completed.stdout == ""

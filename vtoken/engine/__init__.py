@@ -11,11 +11,15 @@ from vtoken.metrics import RunResult
 from vtoken.trace import Request
 
 __all__ = ["VARIANTS", "EvictionConfig", "Experiment", "Run", "RunSpec", "Runtime", "SchedulerConfig", "SimExecutor",
-           "SimProfile", "run_sim"]
+           "SimProfile", "run_sim", "sim_runtime"]
 
 
 def run_sim(run: Run, requests: Sequence[Request], on_progress: Callable[[int], None] | None = None) -> RunResult:
     """Replay `requests` through one run with the `sim` executor."""
+    return sim_runtime(run, requests).run(on_progress)
+
+
+def sim_runtime(run: Run, requests: Sequence[Request]) -> Runtime:
+    """The runtime `run_sim` replays `requests` with, for a caller that steps it itself."""
     experiment = run.experiment
-    executor = SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed)
-    return Runtime(run, requests, executor).run(on_progress)
+    return Runtime(run, requests, SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed))

@@ -107,10 +107,20 @@ class Runtime:
             if on_progress is not None and num_now > num_reported:
                 on_progress(num_now - num_reported)
                 num_reported = num_now
-        self._complete(self.copy_engine.drain())
         if on_progress is not None and num_reported < num_total:
             on_progress(num_total - num_reported)
-        return self._result(time.perf_counter() - started)
+        return self.finish(time.perf_counter() - started)
+
+    def has_work(self) -> bool:
+        """Whether a request is still to arrive, waiting or running: `step` until it is not."""
+        return self.scheduler.has_work()
+
+    def finish(self, host_time_s: float) -> RunResult:
+        """After the last step: land the copies still in flight; the run's result, with
+        `host_time_s` as its host time. `run` is `step` while `has_work`, then this; a caller
+        that drives the steps itself (several runs interleaved) calls it once at the end."""
+        self._complete(self.copy_engine.drain())
+        return self._result(host_time_s)
 
     def step(self) -> None:
         batch = self.schedule()
