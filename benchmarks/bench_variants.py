@@ -23,10 +23,15 @@ turn of 1,000 steps is about a tenth of a second of native's replay: long agains
 caches need to fill again after another variant's turn.
 
 `--phases`: after the rounds, one more replay of every variant with the runtime's phases timed
-(CPU seconds, calls and microseconds per call of Runtime.schedule, execute and postprocess, and
-inside them eviction events, `_evict`, and reclamation rounds, `_reclaim`, which the schedule's
-pressure packing and an eviction's layout trigger call too): where a variant's time goes. The
-timers wrap the methods, about a microsecond a call, so this replay is not one of the rounds.
+(CPU seconds, calls and microseconds per call of each of PHASES): where a variant's time goes.
+The runtime's step is schedule, execute and postprocess. Inside them, an eviction event,
+`_evict`, is the policy's decision (`decide`, of which `scores` is the sim's synthetic attention
+for the policies that rank by it), the table's and the pool's side (`evict_tokens`) and, in
+vtoken, the layout trigger's check (`layout`); a reclamation round, `_reclaim` (which the
+schedule's pressure packing and the layout trigger call too), is planning (`plans`), the
+round's I4 check (`plans_pass`) and, the copies done, landing the moves and freeing the sources
+(`landing`). The timers wrap the functions, about a microsecond a call, and nest, so this
+replay is not one of the rounds.
 """
 
 from __future__ import annotations
@@ -41,9 +46,13 @@ from pathlib import Path
 
 from vtoken import defaults
 from vtoken.compare import variant_to_json
-from vtoken.engine import VARIANTS, Experiment, Runtime, run_sim, sim_runtime
+from vtoken.engine import VARIANTS, Experiment, Runtime, SimExecutor, run_sim, sim_runtime
+from vtoken.engine import runtime as runtime_module
+from vtoken.engine.eviction import EvictionSchedule
 from vtoken.engine.experiment import EvictionConfig
 from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
+from vtoken.kv.reclaim import Reclaimer
+from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import RunResult
 from vtoken.model_spec import resolve_model
 from vtoken.trace import load_trace, within_context
@@ -51,7 +60,21 @@ from vtoken.trace import load_trace, within_context
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 NUM_WARMUP_REQUESTS = 100
-PHASES = ("schedule", "execute", "postprocess", "_evict", "_reclaim")  # Runtime methods --phases times
+# (label, owner, function) --phases times: the owner's attribute is wrapped while it replays
+PHASES = (
+    ("schedule", Runtime, "schedule"),
+    ("execute", Runtime, "execute"),
+    ("postprocess", Runtime, "postprocess"),
+    ("_evict", Runtime, "_evict"),
+    ("decide", EvictionSchedule, "decide"),
+    ("scores", SimExecutor, "attention_stats"),
+    ("evict_tokens", TokenTable, "evict_tokens"),
+    ("layout", Runtime, "_repack_if_worse_than_uncompacted"),
+    ("_reclaim", Runtime, "_reclaim"),
+    ("plans", Reclaimer, "_plans"),
+    ("plans_pass", runtime_module, "plans_pass"),
+    ("landing", Runtime, "_complete"),
+)
 
 
 def main() -> None:
@@ -125,7 +148,7 @@ def main() -> None:
         print(f"\n{'variant':12s} {'phase':12s} {'CPU s':>8s} {'calls':>8s} {'us per call':>11s}")
         for variant in variants:
             seconds, calls = timed_phases(lambda: run_sim(experiment.run(variant, None), requests))
-            for phase in PHASES:
+            for phase, _, _ in PHASES:
                 if calls[phase]:
                     print(f"{variant:12s} {phase:12s} {seconds[phase]:8.2f} {calls[phase]:8d} {1e6 * seconds[phase] / calls[phase]:11.1f}")
 
@@ -180,28 +203,32 @@ def steps(runtime: Runtime, num_steps: int) -> None:
 
 
 def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:
-    """CPU seconds and calls of each of PHASES while `replay()` runs (Runtime's methods wrapped,
-    then restored)."""
+    """CPU seconds and calls of each of PHASES while `replay()` runs (the functions wrapped,
+    then restored: an inherited method is wrapped on the class named and removed from it after)."""
     seconds, calls = collections.Counter(), collections.Counter()
-    originals = {phase: getattr(Runtime, phase) for phase in PHASES}
 
-    def timed(phase: str, method):
+    def timed(phase: str, function):
         def call(*args, **kwargs):
             started = time.process_time()
             try:
-                return method(*args, **kwargs)
+                return function(*args, **kwargs)
             finally:
                 seconds[phase] += time.process_time() - started
                 calls[phase] += 1
         return call
 
-    for phase, method in originals.items():
-        setattr(Runtime, phase, timed(phase, method))
+    restore = []
+    for phase, owner, name in PHASES:
+        restore.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, timed(phase, getattr(owner, name)))
     try:
         replay()
     finally:
-        for phase, method in originals.items():
-            setattr(Runtime, phase, method)
+        for owner, name, own in reversed(restore):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
     return seconds, calls
 
 
