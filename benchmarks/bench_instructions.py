@@ -33,16 +33,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from replay_inputs import checked_replay, fail
+
+from vtoken.engine import VARIANTS
+
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
-VARIANTS = ("native", "naive-evict", "vtoken")
+SCRIPT = "bench_instructions"
 COUNTERS = {"instructions": r"I\s+refs:\s+([\d,]+)", "I1 misses": r"I1\s+misses:\s+([\d,]+)",
             "D1 misses": r"D1\s+misses:\s+([\d,]+)", "LL data misses": r"LLd misses:\s+([\d,]+)"}
-
-
-def fail(message: str) -> None:
-    print(f"bench_instructions: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def replay(variant: str, azure: str, max_requests: int, setup_only: bool) -> None:
@@ -74,14 +73,14 @@ def counted(variant: str, args: argparse.Namespace, setup_only: bool) -> dict[st
                           env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        fail(f"the {variant} replay under valgrind exited with {done.returncode}: {last}")
+        fail(SCRIPT, f"the {variant} replay under valgrind exited with {done.returncode}: {last}")
     totals = {}
     for name, pattern in COUNTERS.items():
         found = re.search(pattern, done.stderr)
         if found:
             totals[name] = int(found.group(1).replace(",", ""))
     if "instructions" not in totals:
-        fail(f"valgrind printed no instruction count for the {variant} replay")
+        fail(SCRIPT, f"valgrind printed no instruction count for the {variant} replay")
     return totals
 
 
@@ -97,16 +96,9 @@ def main() -> None:
     if args.child:
         replay(args.child, args.azure, args.max_requests, args.setup_only)
         return
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        fail(f"--variants: unknown variant '{unknown[0]}'; known: {', '.join(VARIANTS)}")
-    if args.max_requests < 1:
-        fail(f"--max-requests must be at least 1, got {args.max_requests}")
-    if not Path(args.azure).is_file():
-        fail(f"--azure: no trace at {args.azure}")
+    variants = checked_replay(SCRIPT, args.variants, args.azure, args.max_requests)
     if shutil.which("valgrind") is None:
-        fail("valgrind is not on PATH (it counts the instructions)")
+        fail(SCRIPT, "valgrind is not on PATH (it counts the instructions)")
     print(f"first {args.max_requests} requests of {args.azure}, open loop, one replay per variant under cachegrind", flush=True)
     rows = {}
     for variant in variants:

@@ -40,9 +40,10 @@ import argparse
 import collections
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
+
+from replay_inputs import checked_replay, fail
 
 from vtoken import defaults
 from vtoken.compare import variant_to_json
@@ -59,6 +60,7 @@ from vtoken.trace import load_trace, within_context
 
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+SCRIPT = "bench_variants"
 NUM_WARMUP_REQUESTS = 100
 # (label, owner, function) --phases times: the owner's attribute is wrapped while it replays
 PHASES = (
@@ -89,16 +91,11 @@ def main() -> None:
                         help="replay the variants of a round side by side, STEPS steps of each in turn")
     parser.add_argument("--phases", action="store_true", help="then one replay per variant with the runtime's phases timed")
     args = parser.parse_args()
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        fail(f"--variants: unknown variant '{unknown[0]}'; known: {', '.join(VARIANTS)}")
+    variants = checked_replay(SCRIPT, args.variants, args.azure, args.max_requests)
     if args.rounds < 1:
-        fail(f"--rounds must be at least 1, got {args.rounds}")
+        fail(SCRIPT, f"--rounds must be at least 1, got {args.rounds}")
     if args.interleave is not None and args.interleave < 1:
-        fail(f"--interleave must be at least 1 step, got {args.interleave}")
-    if not Path(args.azure).is_file():
-        fail(f"--azure: no trace at {args.azure}")
+        fail(SCRIPT, f"--interleave must be at least 1 step, got {args.interleave}")
     model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
     num_blocks = num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE)
     trace = within_context(load_trace(args.azure, max_requests=args.max_requests), model.max_model_len)
@@ -151,11 +148,6 @@ def main() -> None:
             for phase, _, _ in PHASES:
                 if calls[phase]:
                     print(f"{variant:12s} {phase:12s} {seconds[phase]:8.2f} {calls[phase]:8d} {1e6 * seconds[phase] / calls[phase]:11.1f}")
-
-
-def fail(message: str) -> None:
-    print(f"bench_variants: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def alone(experiment: Experiment, variant: str, requests: list) -> tuple[RunResult, float, float]:
