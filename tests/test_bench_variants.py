@@ -70,8 +70,9 @@ def test_variants_side_by_side_give_the_results_each_gives_alone() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (("--variants", "native,fast"), "--variants: unknown variant 'fast'; known: native, naive-evict, vtoken"),
     (("--max-requests", "0"), "--max-requests must be at least 1, got 0"),
-    (("--rounds", "0"), "--rounds must be at least 1, got 0"),
-    (("--interleave", "0"), "--interleave must be at least 1 step, got 0"),
+    (("--rounds", "0", "--azure", str(ROOT / "sample_traces" / "azure_conv_sample.csv")), "--rounds must be at least 1, got 0"),
+    (("--interleave", "0", "--azure", str(ROOT / "sample_traces" / "azure_conv_sample.csv")),
+     "--interleave must be at least 1 step, got 0"),
     (("--azure", "/nonexistent/trace.csv"), "--azure: no trace at /nonexistent/trace.csv"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
