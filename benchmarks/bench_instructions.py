@@ -1,7 +1,8 @@
 """Instructions per variant of one open-loop replay of the Azure conversation trace, counted by
 valgrind's cachegrind: a host-independent companion of bench_variants.py, whose host seconds
-move with whatever else the machine runs (the same code measured vtoken at 1.50x to 1.94x
-native at 5,000 requests within one hour). Not a test.
+move with whatever else the machine runs (one replay after another, the same code measured
+vtoken at 1.50x to 1.94x native at 5,000 requests within one hour; side by side,
+`--interleave`, a few hundredths). Not a test.
 
     python benchmarks/bench_instructions.py [--max-requests 1000] [--variants V,...] [--azure PATH]
                                             [--cache-sim]
@@ -33,9 +34,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from replay_inputs import checked_replay, fail
+from replay_inputs import checked_replay, fail, replayed
 
-from vtoken.engine import VARIANTS
+from vtoken.engine import VARIANTS, run_sim
 
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -46,17 +47,7 @@ COUNTERS = {"instructions": r"I\s+refs:\s+([\d,]+)", "I1 misses": r"I1\s+misses:
 
 def replay(variant: str, azure: str, max_requests: int, setup_only: bool) -> None:
     """The measured process: load and build; then, unless `setup_only`, replay."""
-    from vtoken import defaults
-    from vtoken.engine import Experiment, run_sim
-    from vtoken.engine.experiment import EvictionConfig
-    from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
-    from vtoken.model_spec import resolve_model
-    from vtoken.trace import load_trace, within_context
-
-    model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
-    num_blocks = num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE)
-    requests = within_context(load_trace(azure, max_requests=max_requests), model.max_model_len).requests
-    experiment = Experiment(model, gpu, num_blocks, eviction=EvictionConfig(interval_tokens=defaults.EVICTION_INTERVAL_TOKENS))
+    experiment, requests = replayed(azure, max_requests)
     run = experiment.run(variant, None)
     if not setup_only:
         run_sim(run, requests)

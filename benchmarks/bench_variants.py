@@ -43,20 +43,16 @@ import statistics
 import time
 from pathlib import Path
 
-from replay_inputs import checked_replay, fail
+from replay_inputs import checked_replay, fail, replayed
 
 from vtoken import defaults
 from vtoken.compare import variant_to_json
 from vtoken.engine import VARIANTS, Experiment, Runtime, SimExecutor, run_sim, sim_runtime
 from vtoken.engine import runtime as runtime_module
 from vtoken.engine.eviction import EvictionSchedule
-from vtoken.engine.experiment import EvictionConfig
-from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
 from vtoken.kv.reclaim import Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import RunResult
-from vtoken.model_spec import resolve_model
-from vtoken.trace import load_trace, within_context
 
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -96,14 +92,9 @@ def main() -> None:
         fail(SCRIPT, f"--rounds must be at least 1, got {args.rounds}")
     if args.interleave is not None and args.interleave < 1:
         fail(SCRIPT, f"--interleave must be at least 1 step, got {args.interleave}")
-    model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
-    num_blocks = num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE)
-    trace = within_context(load_trace(args.azure, max_requests=args.max_requests), model.max_model_len)
-    requests = trace.requests
-    experiment = Experiment(model, gpu, num_blocks,
-                            eviction=EvictionConfig(interval_tokens=args.eviction_interval))
+    experiment, requests = replayed(args.azure, args.max_requests, args.eviction_interval)
     how = f"side by side, {args.interleave} steps a turn" if args.interleave else "one after another"
-    print(f"{len(requests)} requests, open loop, {model.name} on {gpu.name}, {num_blocks} blocks, "
+    print(f"{len(requests)} requests, open loop, {experiment.model.name} on {experiment.gpu.name}, {experiment.num_blocks} blocks, "
           f"eviction every {args.eviction_interval} tokens, variants {how}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start", flush=True)
     for variant in variants:

@@ -6,6 +6,7 @@ checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -39,32 +40,27 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
 
 
 def test_variants_side_by_side_give_the_results_each_gives_alone() -> None:
-    """--interleave's premise: stepping the variants' runtimes in turns, a few steps each (here
-    fewer than a replay has, so that every runtime is left mid-run many times, copies in flight
-    included), changes none of their results."""
+    """--interleave's premise: stepping the variants' runtimes in turns of a few steps each, so
+    that every runtime is left mid-run hundreds of times, changes none of their results, and
+    `finish` gives each its own."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from bench_variants import alone, interleaved
+        from replay_inputs import replayed
     finally:
         sys.path.pop(0)
-    from vtoken import defaults
     from vtoken.compare import variant_to_json
-    from vtoken.engine import VARIANTS, Experiment
-    from vtoken.hardware import num_blocks_for_gpu, resolve_gpu
-    from vtoken.model_spec import resolve_model
-    from vtoken.trace import load_trace, within_context
+    from vtoken.engine import VARIANTS
 
-    model, gpu = resolve_model(defaults.MODEL), resolve_gpu(defaults.GPU)
-    requests = within_context(load_trace(ROOT / "sample_traces" / "azure_conv_sample.csv", max_requests=80),
-                              model.max_model_len).requests
+    experiment, requests = replayed(str(ROOT / "sample_traces" / "azure_conv_sample.csv"), 80)
     # a small pool, so that vtoken packs under pressure too, not only in lazy rounds
-    experiment = Experiment(model, gpu, num_blocks_for_gpu(model, gpu, defaults.GPU_MEMORY_UTILIZATION, defaults.BLOCK_SIZE) // 40)
+    experiment = dataclasses.replace(experiment, num_blocks=experiment.num_blocks // 40)
     side_by_side = interleaved(experiment, list(VARIANTS), requests, 7)
     for variant in VARIANTS:
         result, wall_s, cpu_s = side_by_side[variant]
         assert cpu_s > 0 and 0 < result.host_time_s <= wall_s
         assert variant_to_json(result) == variant_to_json(alone(experiment, variant, requests)[0]), variant
-    assert side_by_side["vtoken"][0].pressure_reclaim.num_plans > 0
+    assert side_by_side["vtoken"][0].pressure_reclaim.num_plans > 0 and side_by_side["vtoken"][0].lazy_reclaim.num_plans > 0
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -101,7 +101,7 @@ class Runtime:
         started = time.perf_counter()
         num_total = self.num_output_tokens
         num_reported = 0
-        while self.scheduler.has_work():
+        while self.has_work():
             self.step()
             num_now = min(self.num_generated_tokens, num_total)
             if on_progress is not None and num_now > num_reported:
