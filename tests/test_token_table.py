@@ -322,24 +322,36 @@ def test_evict_one_each_refuses_a_table_given_twice() -> None:
 
 
 
-def test_flushing_many_listed_tables_at_once_counts_what_flushing_each_counts() -> None:
+def test_counting_every_pending_append_at_once_counts_what_counting_each_counts() -> None:
     def pool_after(flush_each: bool) -> BlockPool:
         pool = BlockPool(64, S)
-        tables = [make_table(pool, 5 + req_id, req_id) for req_id in range(10)]  # more than the 8 of the batched path
+        tables = [make_table(pool, 5 + req_id, req_id) for req_id in range(10)]
         for req_id, table in enumerate(tables):
             for _ in range(req_id % 3 + 1):  # 1 to 3 appends pending, some of them opening a new tail
                 grow(table, 1)
-        if flush_each:
-            for table in tables:
-                table.flush()
+                if flush_each:
+                    table.flush()
         return pool
-    each, listed = pool_after(True), pool_after(False)
-    assert listed._deferred  # nothing counted yet: the first read below flushes them all in one call
-    assert listed.live_counts.tolist() == each.live_counts.tolist()
-    assert listed.token_at.tolist() == each.token_at.tolist()
-    assert listed.utilization_histogram().tolist() == each.utilization_histogram().tolist()
-    assert (listed.num_blocks_le_half, listed.num_live_tokens) == (each.num_blocks_le_half, each.num_live_tokens)
-    assert not listed._deferred
+    each, batched = pool_after(True), pool_after(False)
+    # nothing counted yet, some blocks twice over (a table's appends since the last read): the
+    # first read below counts them all in one batch
+    assert len(batched.pending_slots) == sum(req_id % 3 + 1 for req_id in range(10))
+    assert batched.live_counts.tolist() == each.live_counts.tolist()
+    assert batched.token_at.tolist() == each.token_at.tolist()
+    assert batched.utilization_histogram().tolist() == each.utilization_histogram().tolist()
+    assert (batched.num_blocks_le_half, batched.num_live_tokens) == (each.num_blocks_le_half, each.num_live_tokens)
+    assert not batched.pending_slots and not batched.pending_token_ids
+
+
+def test_appends_pending_in_a_tail_the_table_has_left_are_counted_before_an_eviction_reads_it() -> None:
+    pool = BlockPool(8, S)
+    table = make_table(pool, S - 2)
+    for _ in range(4):  # the last two offsets of the first block, then two of a new tail, all pending
+        grow(table, 1)
+    assert len(pool.pending_slots) == 4 and table.num_blocks == 2
+    emptied = table.evict_tokens(np.arange(S))  # every token of the first block, two of them pending
+    assert emptied.tolist() == [int(table.held_block_ids[0])]
+    assert pool.live_counts[table.held_block_ids].tolist() == [0, 2] and not pool.pending_slots
 
 
 # ---- relocation --------------------------------------------------------------------------

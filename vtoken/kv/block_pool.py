@@ -7,9 +7,12 @@ ratio F (DESIGN.md Eq. 1) and the 10-bin utilization histogram are kept incremen
 operation updates only the blocks it touches, so reading them is O(1).
 
 A decode step's append reaches the pool lazily: it adds to `num_live_tokens` at once (so F is
-always exact), and the table registers itself once with `defer_live`; its pending tokens join
-the per-block counts (`TokenTable.flush`) before any read of live counts, the histogram or
-`token_at` through the pool, so that every read is exact.
+always exact) and its slot and logical id to the pool's two pending lists; `flush_deferred`
+counts every pending append, whichever table made it, in a fixed number of numpy calls (the
+reverse-map entries in one store, the blocks' live counts in one update), before any read of
+live counts, the histogram or `token_at` through the pool, so that every read is exact. A
+step appends to every decoding request, so the pool's first read after it meets them all and
+counts the step's appends in one batch, not a few calls per request.
 
     F = 1 - sum(n_i) / (N * S)   over the N allocated blocks, n_i live tokens in block i
 """
@@ -41,11 +44,21 @@ class BlockPool:
         self._live_counts = np.zeros(num_blocks, dtype=np.int32)
         # slot -> logical id of the live token stored there (-1: none); written by the tables
         self._token_at = np.full(num_blocks * block_size, -1, dtype=np.int64)
-        self._deferred: list = []  # tables with appends not yet counted
+        # appends not yet counted (`flush_deferred`): slot and logical id, one entry per token;
+        # a token table's decode step appends to both lists itself
+        self.pending_slots: list[int] = []
+        self.pending_token_ids: list[int] = []
         # bin of each block by u = n / S; bin 10 holds the free blocks and is never reported
         self._bin_of_count = self._make_bin_table(block_size)
         self._histogram: list[int] = [0] * NUM_HISTOGRAM_BINS + [num_blocks]  # a list: scalar updates are cheap
         self._is_le_half = (2 * np.arange(block_size + 1) <= block_size).astype(np.int64)
+        # what a block with each live count c adds to the pool's counts, for `_set_live`: its
+        # histogram bin (one-hot), whether c <= S/2, and c
+        counts = np.arange(block_size + 1)
+        self._count_effects = np.zeros((block_size + 1, NUM_HISTOGRAM_BINS + 2), dtype=np.int64)
+        self._count_effects[counts, self._bin_of_count] = 1
+        self._count_effects[:, NUM_HISTOGRAM_BINS] = self._is_le_half
+        self._count_effects[:, NUM_HISTOGRAM_BINS + 1] = counts
         # the same two tables as lists, for the scalar path (`add_live`)
         self._bin_list: list[int] = self._bin_of_count.tolist()
         self._is_le_half_list: list[int] = self._is_le_half.tolist()
@@ -117,7 +130,7 @@ class BlockPool:
         block_ids = np.asarray(block_ids, dtype=np.int64)
         if block_ids.size == 0:
             return
-        if self._deferred:
+        if self.pending_slots:
             self.flush_deferred()
         if block_ids.size == 1:
             self._free_one(int(block_ids.flat[0]))
@@ -224,7 +237,7 @@ class BlockPool:
         return new_count
 
     def count_deferred_appends(self, block_id: int, num_tokens: int) -> None:
-        """`num_tokens` appended to the tail `block_id` join its live count (`TokenTable.flush`);
+        """`num_tokens` appended to `block_id` join its live count (`flush_deferred`);
         `num_live_tokens` counted them when they were appended."""
         old_count = self._live_counts.item(block_id)
         new_count = old_count + num_tokens
@@ -233,16 +246,14 @@ class BlockPool:
         self._recount(block_id, old_count, new_count)
 
     def count_deferred_appends_many(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
-        """`count_deferred_appends` of distinct tail blocks (`TokenTable.flush_listed`), checked
-        first, so that a rejected call changes nothing."""
+        """`count_deferred_appends` of distinct blocks (`flush_deferred`), checked first, so that
+        a rejected call changes nothing."""
         new_counts = self._live_counts[block_ids] + counts
         bad = (new_counts > self.block_size) | (self.ref_counts[block_ids] <= 0)
-        if bad.any():
+        if np.count_nonzero(bad):
             block_id = int(block_ids[bad][0])
             raise VTokenError(f"{int(counts[bad][0])} appended tokens do not fit block {block_id} ({self._live_counts[block_id]} live)")
-        old_live = self.num_live_tokens
-        self._set_live(block_ids, new_counts.astype(np.int32))
-        self.num_live_tokens = old_live  # counted when the tokens were appended
+        self._set_live(block_ids, new_counts.astype(np.int32), counts_live_tokens=False)  # counted when appended
 
     def remove_live_token(self, block_id: int) -> int:
         """One live token of an allocated block died: `add_live(block_id, -1)` for a caller
@@ -283,45 +294,65 @@ class BlockPool:
         histogram[bin_of[new_count]] += 1
         self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
 
-    def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> None:
+    def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray, counts_live_tokens: bool = True) -> None:
+        """Set distinct blocks' live counts; the histogram, the <= 50% count and (unless the
+        caller counted them already) `num_live_tokens` follow."""
         old_counts = self._live_counts[block_ids]
-        bin_changes = (np.bincount(self._bin_of_count[new_counts], minlength=NUM_HISTOGRAM_BINS)
-                       - np.bincount(self._bin_of_count[old_counts], minlength=NUM_HISTOGRAM_BINS))
-        for bin_idx in np.flatnonzero(bin_changes).tolist():
-            self._histogram[bin_idx] += int(bin_changes[bin_idx])
-        self._num_blocks_le_half += int(self._is_le_half[new_counts].sum() - self._is_le_half[old_counts].sum())
-        self.num_live_tokens += int(new_counts.sum() - old_counts.sum())
+        num_counts = self.block_size + 1
+        # blocks gained minus blocks lost at each live count, then what that adds up to: the
+        # histogram's bins, the <= 50% count and the live tokens, in one product
+        by_count = np.bincount(new_counts, minlength=num_counts) - np.bincount(old_counts, minlength=num_counts)
+        changes = (by_count @ self._count_effects).tolist()
+        histogram = self._histogram
+        for bin_idx in range(NUM_HISTOGRAM_BINS):
+            if changes[bin_idx]:
+                histogram[bin_idx] += changes[bin_idx]
+        self._num_blocks_le_half += changes[NUM_HISTOGRAM_BINS]
+        if counts_live_tokens:
+            self.num_live_tokens += changes[NUM_HISTOGRAM_BINS + 1]
         self._live_counts[block_ids] = new_counts
 
     # ---- reads (exact: deferred appends are counted first) -----------------------------------
 
-    def defer_live(self, table) -> None:
-        """`table` has appended tokens whose live counts it will hand over (`TokenTable.flush`)."""
-        self._deferred.append(table)
-
     def flush_deferred(self) -> None:
-        """Count every listed table's pending appends (the tables do it: `TokenTable.flush_listed`)."""
-        deferred, self._deferred = self._deferred, []
-        if deferred:
-            deferred[0].flush_listed(deferred)
+        """Count every pending append: its reverse-map entry and its block's live count
+        (`num_live_tokens` counted it when it was appended)."""
+        slots, token_ids = self.pending_slots, self.pending_token_ids
+        if not slots:
+            return
+        if len(slots) == 1:
+            slot, token_id = slots.pop(), token_ids.pop()
+            self._token_at[slot] = token_id
+            self.count_deferred_appends(slot // self.block_size, 1)
+            return
+        slot_array = np.array(slots, dtype=np.int64)
+        self._token_at[slot_array] = token_ids
+        slots.clear()
+        token_ids.clear()
+        block_ids = slot_array // self.block_size
+        block_ids.sort()
+        if np.count_nonzero(block_ids[1:] == block_ids[:-1]):  # a table appended more than once since the last flush
+            self.count_deferred_appends_many(*count_by_block(block_ids))
+        else:  # the usual step: one append per decoding request
+            self.count_deferred_appends_many(block_ids, np.ones(block_ids.size, dtype=np.int64))
 
     @property
     def live_counts(self) -> np.ndarray:
         """Live tokens per block, [num_blocks] (read-only by convention: change through the tables)."""
-        if self._deferred:
+        if self.pending_slots:
             self.flush_deferred()
         return self._live_counts
 
     @property
     def token_at(self) -> np.ndarray:
         """Logical id of the live token in each slot, -1 for none, [num_blocks * S]."""
-        if self._deferred:
+        if self.pending_slots:
             self.flush_deferred()
         return self._token_at
 
     @property
     def num_blocks_le_half(self) -> int:
-        if self._deferred:
+        if self.pending_slots:
             self.flush_deferred()
         return self._num_blocks_le_half
 
@@ -333,12 +364,12 @@ class BlockPool:
 
     def utilization_histogram(self) -> np.ndarray:
         """Allocated blocks per bin of u = live / S: [0, .1), [.1, .2), ..., [.9, 1.0]."""
-        if self._deferred:
+        if self.pending_slots:
             self.flush_deferred()
         return np.array(self._histogram[:NUM_HISTOGRAM_BINS], dtype=np.int64)
 
     def frac_blocks_le_half(self) -> float:
-        if self._deferred:
+        if self.pending_slots:
             self.flush_deferred()
         num_allocated = self.num_allocated_blocks
         return self._num_blocks_le_half / num_allocated if num_allocated else 0.0

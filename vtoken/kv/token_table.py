@@ -20,8 +20,8 @@ table_relocation.py.
 
 Cost model. A decode step appends one token with Python integers and one array store: the
 pool's total live count is bumped at once, the tail block's count and the reverse map catch up
-lazily, on the table's next other operation or when the pool is read (`BlockPool.live_counts`,
-`token_at`, the histogram), so every read sees exact numbers. Until the first eviction every
+lazily, every table's at once, when the pool is next read (`BlockPool.live_counts`, `token_at`,
+the histogram) or a table's verb needs them (`flush`), so every read sees exact numbers. Until the first eviction every
 token is live, and the slot list (Eq. 2) is the per-token slot array itself; after it, a
 separate slot cache is built by the first `slots()` and kept for the reads after it: an
 eviction only records the token, and the next read drops its entry (slot_cache.py), so an
@@ -60,10 +60,6 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         self._capacity = capacity  # _slot.size for the decode step: reading ndarray.size there costs ~5% of it
         self._held = np.zeros(16, dtype=np.int64)
         self._num_held = 0
-        # tokens appended to the tail whose live count and reverse-map entries are not yet in
-        # the pool: the last _num_pending tokens, at the cursor's last _num_pending offsets
-        self._num_pending = 0
-        self._is_deferred = False  # listed with the pool, which calls flush() before its next read
         self._cache = SlotCache()  # the slot list once a token is dead
 
     # ---- read-only views ---------------------------------------------------------------------
@@ -165,49 +161,11 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
     # ---- the pool's deferred view of the tail ------------------------------------------------
 
     def flush(self) -> None:
-        """Hand the tail's pending appends to the pool: live count and reverse-map entries."""
-        num_pending = self._num_pending
-        if not num_pending:
-            return
-        self._num_pending = 0
-        first_token = self.num_tokens - num_pending
-        first_slot = self._tail_slot + self.tail_num_written - num_pending
-        if num_pending == 1:
-            self._token_at[first_slot] = first_token
-        else:
-            self._token_at[first_slot : first_slot + num_pending] = np.arange(first_token, self.num_tokens)
-        self.pool.count_deferred_appends(first_slot // self.block_size, num_pending)
-
-    @staticmethod
-    def flush_listed(tables: list[TokenTable]) -> None:
-        """`flush` of every table the pool listed as deferred (`BlockPool.flush_deferred`), which
-        leave its list: their pending appends' reverse-map entries in one store and their tails'
-        live counts in one pool call, rather than a few calls per table (a step appends to every
-        decoding request, so the pool's first read after it meets them all)."""
-        if len(tables) < 8:
-            for table in tables:
-                table._is_deferred = False
-                table.flush()
-            return
-        slots, token_ids, tail_block_ids, counts = [], [], [], []
-        for table in tables:
-            table._is_deferred = False
-            num_pending = table._num_pending
-            if not num_pending:
-                continue
-            table._num_pending = 0
-            first_slot = table._tail_slot + table.tail_num_written - num_pending
-            if num_pending == 1:
-                slots.append(first_slot)
-                token_ids.append(table.num_tokens - 1)
-            else:
-                slots.extend(range(first_slot, first_slot + num_pending))
-                token_ids.extend(range(table.num_tokens - num_pending, table.num_tokens))
-            tail_block_ids.append(first_slot // table.block_size)
-            counts.append(num_pending)
-        if slots:
-            tables[0]._token_at[np.array(slots, dtype=np.int64)] = np.array(token_ids, dtype=np.int64)
-            tables[0].pool.count_deferred_appends_many(np.array(tail_block_ids, dtype=np.int64), np.array(counts, dtype=np.int64))
+        """Count the pending appends in the pool, live counts and reverse-map entries: every
+        table's, which the pool holds in one list (`BlockPool.flush_deferred`), so that the
+        first verb of a step to need them counts the whole step's appends in one batch."""
+        if self.pool.pending_slots:
+            self.pool.flush_deferred()
 
     # ---- the three operations ----------------------------------------------------------------
 
@@ -277,10 +235,8 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
                     self._cache.append_one(slot)
                 pool = self.pool
                 pool.num_live_tokens += 1
-                if not self._is_deferred:
-                    self._is_deferred = True
-                    pool.defer_live(self)
-                self._num_pending += 1
+                pool.pending_slots.append(slot)  # counted by the pool's next flush
+                pool.pending_token_ids.append(token_id)
                 self.num_tokens = num_tokens
                 self.tail_num_written = cursor + 1
                 return  # the layout a plan reads (every block but the open tail) did not change
@@ -338,8 +294,6 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         is_tail = self._num_held and block_id * self.block_size == self._tail_slot
         if is_tail or not 0 <= block_id < pool.num_blocks or pool.ref_counts.item(block_id) != 1:
             raise VTokenError(f"request {self.req_id}: block {block_id} is not a freshly allocated block")
-        if self._num_pending:
-            self.flush()
         if self._num_held == self._held.size:
             self._held = np.concatenate((self._held, np.zeros_like(self._held)))
         self._held[self._num_held] = block_id
