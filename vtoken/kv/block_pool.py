@@ -44,8 +44,9 @@ class BlockPool:
         self._live_counts = np.zeros(num_blocks, dtype=np.int32)
         # slot -> logical id of the live token stored there (-1: none); written by the tables
         self._token_at = np.full(num_blocks * block_size, -1, dtype=np.int64)
-        # appends not yet counted (`flush_deferred`): slot and logical id, one entry per token;
-        # a token table's decode step appends to both lists itself
+        # appends not yet counted (`flush_deferred`): slot and logical id, one entry per token
+        # until the pool's next read (every engine step reads it: the memory sample); a token
+        # table's decode step appends to both lists itself
         self.pending_slots: list[int] = []
         self.pending_token_ids: list[int] = []
         # bin of each block by u = n / S; bin 10 holds the free blocks and is never reported
