@@ -30,8 +30,9 @@ for the policies that rank by it), the table's and the pool's side (`evict_token
 vtoken, the layout trigger's check (`layout`); a reclamation round, `_reclaim` (which the
 schedule's pressure packing and the layout trigger call too), is planning (`plans`), the
 round's I4 check (`plans_pass`) and, the copies done, landing the moves and freeing the sources
-(`landing`). The timers wrap the functions, about a microsecond a call, and nest, so this
-replay is not one of the rounds.
+(`landing`). Every variant counts a step's appends in the pool at the pool's first read after
+them, in one batch (`appends`, `BlockPool.flush_deferred`). The timers wrap the functions,
+about a microsecond a call, and nest, so this replay is not one of the rounds.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from vtoken.compare import variant_to_json
 from vtoken.engine import VARIANTS, Experiment, Runtime, SimExecutor, run_sim, sim_runtime
 from vtoken.engine import runtime as runtime_module
 from vtoken.engine.eviction import EvictionSchedule
+from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.reclaim import Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import RunResult
@@ -72,6 +74,7 @@ PHASES = (
     ("plans", Reclaimer, "_plans"),
     ("plans_pass", runtime_module, "plans_pass"),
     ("landing", Runtime, "_complete"),
+    ("appends", BlockPool, "flush_deferred"),
 )
 
 

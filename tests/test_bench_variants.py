@@ -31,6 +31,7 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
         completed.stdout, re.MULTILINE)}
     for variant in ("native", "naive-evict", "vtoken"):
         assert phases[(variant, "schedule")] >= phases[(variant, "execute")] == phases[(variant, "postprocess")] > 0
+        assert phases[(variant, "appends")] > 0
     for phase in ("_evict", "decide", "scores"):  # H2O ranks by the sim's attention scores
         assert ("native", phase) not in phases and phases[("naive-evict", phase)] == phases[("vtoken", phase)] > 0
     assert 0 < phases[("naive-evict", "evict_tokens")] == phases[("vtoken", "evict_tokens")] <= phases[("vtoken", "_evict")]

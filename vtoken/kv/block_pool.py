@@ -49,27 +49,22 @@ class BlockPool:
         # table's decode step appends to both lists itself
         self.pending_slots: list[int] = []
         self.pending_token_ids: list[int] = []
-        # bin of each block by u = n / S; bin 10 holds the free blocks and is never reported
-        self._bin_of_count = self._make_bin_table(block_size)
         self._histogram: list[int] = [0] * NUM_HISTOGRAM_BINS + [num_blocks]  # a list: scalar updates are cheap
-        self._is_le_half = (2 * np.arange(block_size + 1) <= block_size).astype(np.int64)
-        # what a block with each live count c adds to the pool's counts, for `_set_live`: its
-        # histogram bin (one-hot), whether c <= S/2, and c
+        # per live count c: the histogram bin of a block holding c (by u = c / S; bin 10 holds the
+        # free blocks and is never reported) and whether c <= S/2, as lists for the scalar path
+        # (`_recount`), and for the array path (`_set_live`) what such a block adds to the pool's
+        # counts: its bin one-hot, whether c <= S/2, and c
         counts = np.arange(block_size + 1)
+        bin_of_count = np.minimum(counts * NUM_HISTOGRAM_BINS // block_size, NUM_HISTOGRAM_BINS - 1)
+        is_le_half = (2 * counts <= block_size).astype(np.int64)
+        self._bin_list: list[int] = bin_of_count.tolist()
+        self._is_le_half_list: list[int] = is_le_half.tolist()
         self._count_effects = np.zeros((block_size + 1, NUM_HISTOGRAM_BINS + 2), dtype=np.int64)
-        self._count_effects[counts, self._bin_of_count] = 1
-        self._count_effects[:, NUM_HISTOGRAM_BINS] = self._is_le_half
+        self._count_effects[counts, bin_of_count] = 1
+        self._count_effects[:, NUM_HISTOGRAM_BINS] = is_le_half
         self._count_effects[:, NUM_HISTOGRAM_BINS + 1] = counts
-        # the same two tables as lists, for the scalar path (`add_live`)
-        self._bin_list: list[int] = self._bin_of_count.tolist()
-        self._is_le_half_list: list[int] = self._is_le_half.tolist()
         self.num_live_tokens = 0  # exact at all times: appends count here at once
         self._num_blocks_le_half = 0
-
-    @staticmethod
-    def _make_bin_table(block_size: int) -> np.ndarray:
-        counts = np.arange(block_size + 1)
-        return np.minimum(counts * NUM_HISTOGRAM_BINS // block_size, NUM_HISTOGRAM_BINS - 1)
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -147,7 +142,7 @@ class BlockPool:
             return
         with_live = released[self._live_counts[released] > 0]  # usually none: the owner emptied them
         if with_live.size:
-            self._set_live(with_live, np.zeros(with_live.size, dtype=np.int32))
+            self.num_live_tokens += self._set_live(with_live, np.zeros(with_live.size, dtype=np.int32))
         self._token_at[block_slots(released, self.block_size)] = -1
         self._histogram[0] -= released.size
         self._histogram[NUM_HISTOGRAM_BINS] += released.size
@@ -220,7 +215,7 @@ class BlockPool:
         if new_counts.min() < 0 or new_counts.max() > self.block_size:
             bad = block_ids[(new_counts < 0) | (new_counts > self.block_size)]
             raise VTokenError(f"live count of blocks {bad.tolist()} would leave [0, {self.block_size}]")
-        self._set_live(block_ids, new_counts.astype(np.int32))
+        self.num_live_tokens += self._set_live(block_ids, new_counts.astype(np.int32))
 
     def add_live(self, block_id: int, delta: int) -> int:
         """`adjust_live` for one block: the per-token path of growth and eviction. Returns the
@@ -254,7 +249,7 @@ class BlockPool:
         if np.count_nonzero(bad):
             block_id = int(block_ids[bad][0])
             raise VTokenError(f"{int(counts[bad][0])} appended tokens do not fit block {block_id} ({self._live_counts[block_id]} live)")
-        self._set_live(block_ids, new_counts.astype(np.int32), counts_live_tokens=False)  # counted when appended
+        self._set_live(block_ids, new_counts.astype(np.int32))  # num_live_tokens counted them when appended
 
     def remove_live_token(self, block_id: int) -> int:
         """One live token of an allocated block died: `add_live(block_id, -1)` for a caller
@@ -284,7 +279,7 @@ class BlockPool:
             return np.array(sorted(emptied), dtype=np.int64) if emptied else NO_BLOCKS
         distinct, counts = count_by_block(block_ids)
         new_counts = (self._live_counts[distinct] - counts).astype(np.int32)
-        self._set_live(distinct, new_counts)
+        self.num_live_tokens += self._set_live(distinct, new_counts)
         return distinct[new_counts == 0]
 
     def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
@@ -295,9 +290,10 @@ class BlockPool:
         histogram[bin_of[new_count]] += 1
         self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
 
-    def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray, counts_live_tokens: bool = True) -> None:
-        """Set distinct blocks' live counts; the histogram, the <= 50% count and (unless the
-        caller counted them already) `num_live_tokens` follow."""
+    def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> int:
+        """Set distinct blocks' live counts; the histogram and the <= 50% count follow. Returns
+        the change in live tokens, for the caller to add to `num_live_tokens` unless it counted
+        them already (appends)."""
         old_counts = self._live_counts[block_ids]
         num_counts = self.block_size + 1
         # blocks gained minus blocks lost at each live count, then what that adds up to: the
@@ -309,9 +305,8 @@ class BlockPool:
             if changes[bin_idx]:
                 histogram[bin_idx] += changes[bin_idx]
         self._num_blocks_le_half += changes[NUM_HISTOGRAM_BINS]
-        if counts_live_tokens:
-            self.num_live_tokens += changes[NUM_HISTOGRAM_BINS + 1]
         self._live_counts[block_ids] = new_counts
+        return changes[NUM_HISTOGRAM_BINS + 1]
 
     # ---- reads (exact: deferred appends are counted first) -----------------------------------
 

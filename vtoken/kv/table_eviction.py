@@ -105,8 +105,7 @@ class EvictionVerbs:
         bit, slot list and counts. The pool's half, its reverse-map entry and its block's live
         count, is the caller's: `evict_tokens` and `evict_one_each` do it at once after, and
         nothing else may call this."""
-        if self.pool.pending_slots:
-            self.pool.flush_deferred()  # the block's count must be whole before it can tell whether it emptied
+        self.flush()  # the block's count must be whole before it can tell whether it emptied
         if self._cache.is_valid:  # the slot list's reader drops the entry when it next reads
             self._cache.remove_later(token_id)
         self._live[token_id] = False

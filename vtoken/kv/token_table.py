@@ -21,13 +21,13 @@ table_relocation.py.
 Cost model. A decode step appends one token with Python integers and one array store: the
 pool's total live count is bumped at once, the tail block's count and the reverse map catch up
 lazily, every table's at once, when the pool is next read (`BlockPool.live_counts`, `token_at`,
-the histogram) or a table's verb needs them (`flush`), so every read sees exact numbers. Until the first eviction every
-token is live, and the slot list (Eq. 2) is the per-token slot array itself; after it, a
-separate slot cache is built by the first `slots()` and kept for the reads after it: an
-eviction only records the token, and the next read drops its entry (slot_cache.py), so an
-eviction costs O(1) whether or not anything reads the list; a batch eviction or a relocation
-makes the next read rebuild it. Reclamation reads `token_at`, so planning and applying cost
-O(blocks touched x S), not O(L). A `slots()` result is a view, valid until the table changes.
+the histogram) or a table's verb needs them (`flush`), so every read sees exact numbers. Until
+the first eviction every token is live, and the slot list (Eq. 2) is the per-token slot array
+itself; after it, a separate slot cache is built by the first `slots()` and kept for the reads
+after it: an eviction only records the token, and the next read drops its entry
+(slot_cache.py), so an eviction costs O(1) whether or not anything reads the list; a batch
+eviction or a relocation makes the next read rebuild it. Reclamation reads `token_at`, so
+planning and applying cost O(blocks touched x S), not O(L). A `slots()` result is a view, valid until the table changes.
 """
 
 from __future__ import annotations
