@@ -159,8 +159,30 @@ def protected_mask(view: RequestView) -> np.ndarray:
 
 def unprotected_range(view: RequestView) -> tuple[int, int]:
     """[lo, hi): the positions of view.token_ids that `protected_mask` leaves out. The ids
-    ascend, so the sinks are a prefix of them and the recent window a suffix."""
-    lo, hi = view.token_ids.searchsorted((view.num_sink_tokens, view.num_logical_tokens - view.num_recent_tokens)).tolist()
+    ascend, so the sinks are a prefix of them and the recent window a suffix.
+
+    No policy evicts a protected token, so in the usual view every sink and every recent token
+    is there, and the ends of token_ids say so in O(1): ascending distinct ids below
+    num_logical_tokens whose entry S-1 is S-1 start 0..S-1, and whose entry n_ids-R is n-R end
+    n-R..n-1. Any other view is searched."""
+    token_ids = view.token_ids
+    num_ids = token_ids.size
+    num_sinks, num_recent = view.num_sink_tokens, view.num_recent_tokens
+    first_recent = view.num_logical_tokens - num_recent
+    if num_ids == 0:
+        return 0, 0
+    if token_ids.item(0) >= num_sinks:
+        lo = 0
+    elif num_sinks <= num_ids and token_ids.item(num_sinks - 1) == num_sinks - 1:
+        lo = num_sinks
+    else:
+        lo = int(token_ids.searchsorted(num_sinks))
+    if num_recent == 0:
+        hi = num_ids
+    elif num_recent <= num_ids and token_ids.item(num_ids - num_recent) == first_recent:
+        hi = num_ids - num_recent
+    else:
+        hi = int(token_ids.searchsorted(first_recent))
     return lo, max(lo, hi)
 
 
@@ -184,37 +206,43 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     num_evict = _num_victims(view, lo, hi)
     if num_evict == 0:
         return np.zeros(0, dtype=np.int64)
-    candidate_scores = scores[lo:hi]
-    # O(n) selection instead of a full sort: everything strictly below the k-th smallest score,
-    # then as many of the ties at that score as still fit, oldest first (candidates ascend).
-    # Without ties past the k-th (the usual case for real-valued scores) that is every score
-    # up to it.
-    kth_score = kth_smallest(candidate_scores, num_evict)
-    chosen = candidate_scores <= kth_score
-    if np.count_nonzero(chosen) > num_evict:
-        chosen = candidate_scores < kth_score
-        tied_idx = np.flatnonzero(candidate_scores == kth_score)[: num_evict - int(np.count_nonzero(chosen))]
-        chosen[tied_idx] = True
-    return view.token_ids[lo:hi][chosen].astype(np.int64, copy=False)
+    return view.token_ids[lowest_positions(scores[lo:hi], num_evict) + lo].astype(np.int64, copy=False)
 
 
-def kth_smallest(values: np.ndarray, k: int) -> float:
-    """The k-th smallest of `values` (k >= 1): `np.partition(values, k - 1)[k - 1]`, the same
-    value, found without partitioning them all when k is a small share of them (a policy's
-    periodic run evicts a few dozen of a thousand): the values up to a bound taken from a
-    strided sample of 64 are partitioned instead. The bound lies above about 4k of the values;
-    when fewer than k lie at or below it, the k-th smallest is above it, and all are partitioned.
-    np.partition costs about 10 ns a value whatever k is, the sample and the bound's pass about
-    a third of that."""
+def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k smallest of `values` (1 <= k <= values.size), ascending, ties at the
+    k-th smallest to the lower positions: everything strictly below the k-th smallest, then as
+    many of the ties at it as still fit. Without ties past the k-th (the usual case for
+    real-valued scores) that is every value up to it. (A NaN sorts last, and compares neither
+    below nor equal: a k-th smallest that is NaN selects only the values below it.)
+
+    O(n), not a sort. When k is a small share of the values (a policy's periodic run evicts a
+    few dozen of a thousand), the selection runs over the values up to a bound taken from a
+    strided sample of 64 instead of over them all: the bound lies above about 4k of the values,
+    and when fewer than k lie at or below it, the k smallest reach above it and all values are
+    searched. np.partition costs about 10 ns a value whatever k is, the sample and the bound's
+    pass about a third of that."""
     num_values = values.size
-    if num_values < 512 or k * 32 > num_values:
-        return np.partition(values, k - 1)[k - 1]
-    sample = np.sort(values[:: num_values // 64])
-    bound = sample[min(sample.size - 1, 4 * k * sample.size // num_values + 1)]
-    below = values[values <= bound]
-    if below.size < k:
-        return np.partition(values, k - 1)[k - 1]
-    return np.partition(below, k - 1)[k - 1]
+    if num_values >= 512 and k * 32 <= num_values:
+        sample = np.sort(values[:: num_values // 64])
+        bound = sample[min(sample.size - 1, 4 * k * sample.size // num_values + 1)]
+        candidates = (values <= bound).nonzero()[0]
+        if candidates.size >= k:  # the k smallest, and every tie of the k-th, are at or below the bound
+            return candidates[_lowest_of(values[candidates], k)]
+    return _lowest_of(values, k)
+
+
+def _lowest_of(values: np.ndarray, k: int) -> np.ndarray:
+    """`lowest_positions` over all of `values`."""
+    kth_value = np.partition(values, k - 1)[k - 1]
+    chosen = values <= kth_value
+    positions = chosen.nonzero()[0]
+    if positions.size <= k:
+        return positions
+    chosen = values < kth_value
+    tied = (values == kth_value).nonzero()[0][: k - int(np.count_nonzero(chosen))]
+    chosen[tied] = True
+    return chosen.nonzero()[0]
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:
