@@ -342,3 +342,20 @@ def test_incremental_metrics_equal_brute_force_after_any_sequence(script) -> Non
             pool.adjust_live(block_ids, targets - current)
         assert_metrics_match(pool)
         assert pool.num_free_blocks + pool.num_allocated_blocks == num_blocks
+
+
+@pytest.mark.parametrize("num_fitting", [0, 2])  # the scalar path (one pending append) and the array path
+def test_a_refused_flush_of_pending_appends_changes_nothing(num_fitting: int) -> None:
+    block_size = 4
+    pool = BlockPool(4, block_size)
+    block_id = int(pool.allocate(1)[0])
+    for offset in range(num_fitting):
+        pool.pending_slots.append(block_id * block_size + offset)
+        pool.pending_token_ids.append(offset)
+        pool.num_live_tokens += 1
+    pool.pending_slots.append(3 * block_size)  # block 3 is free: no table appends there
+    pool.pending_token_ids.append(9)
+    with pytest.raises(VTokenError, match="do not fit block 3"):
+        pool.flush_deferred()
+    assert (pool._token_at == -1).all() and not pool._live_counts.any()
+    assert len(pool.pending_slots) == len(pool.pending_token_ids) == num_fitting + 1

@@ -27,7 +27,7 @@ from vtoken.policies import (
     num_victims,
     protected_mask,
 )
-from vtoken.policies.base import lowest_positions, unprotected_range
+from vtoken.policies.base import lowest_positions
 
 POLICY_DIR = Path(__file__).resolve().parents[1] / "vtoken" / "policies"
 FORBIDDEN_MODULES = ("vtoken.kv", "torch", "typer", "rich")
@@ -418,24 +418,6 @@ def test_lowest_positions_are_what_a_full_partition_selects(values: np.ndarray, 
         chosen = values < kth_value
         chosen[np.flatnonzero(values == kth_value)[: k - int(np.count_nonzero(chosen))]] = True
     assert lowest_positions(values, k).tolist() == np.flatnonzero(chosen).tolist()
-
-
-@settings(max_examples=300, deadline=None)
-@given(data=st.data())
-def test_unprotected_range_is_what_a_search_gives(data) -> None:
-    """The O(1) reading of the ends agrees with searching the ids, whether or not the sinks and
-    the recent window are all live (a pinned prefix, a view at a shorter length, holes)."""
-    num_logical = data.draw(st.integers(0, 300))
-    num_sinks, num_recent = data.draw(st.integers(0, 40)), data.draw(st.integers(0, 80))
-    live = np.array(data.draw(st.lists(st.booleans(), min_size=num_logical, max_size=num_logical)), dtype=bool)
-    if data.draw(st.booleans()):  # the usual view: no protected token was evicted
-        live[:num_sinks] = True
-        live[max(0, num_logical - num_recent) :] = True
-    first_id = data.draw(st.integers(0, num_logical))  # a pinned prefix, left out of the view
-    token_ids = first_id + np.flatnonzero(live[first_id:])
-    view = RequestView(0, token_ids, num_logical, 0, num_sinks, num_recent)
-    lo, hi = token_ids.searchsorted((view.num_sink_tokens, num_logical - view.num_recent_tokens)).tolist()
-    assert unprotected_range(view) == (lo, max(lo, hi))
 
 
 # --- The substrate boundary -------------------------------------------------------------------

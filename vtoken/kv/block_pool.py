@@ -232,7 +232,7 @@ class BlockPool:
         self.num_live_tokens += delta
         return new_count
 
-    def count_deferred_appends(self, block_id: int, num_tokens: int) -> None:
+    def _count_appends(self, block_id: int, num_tokens: int) -> None:
         """`num_tokens` appended to `block_id` join its live count (`flush_deferred`);
         `num_live_tokens` counted them when they were appended."""
         old_count = self._live_counts.item(block_id)
@@ -241,8 +241,8 @@ class BlockPool:
             raise VTokenError(f"{num_tokens} appended tokens do not fit block {block_id} ({old_count} live)")
         self._recount(block_id, old_count, new_count)
 
-    def count_deferred_appends_many(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
-        """`count_deferred_appends` of distinct blocks (`flush_deferred`), checked first, so that
+    def _count_appends_many(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
+        """`_count_appends` of distinct blocks (`flush_deferred`), checked first, so that
         a rejected call changes nothing."""
         new_counts = self._live_counts[block_ids] + counts
         bad = (new_counts > self.block_size) | (self.ref_counts[block_ids] <= 0)
@@ -263,8 +263,9 @@ class BlockPool:
     def remove_live_tokens_in(self, block_ids: np.ndarray) -> np.ndarray:
         """One live token died in each of `block_ids` (a block repeats once per token it lost):
         `remove_live_token` for a batch eviction, by a caller that holds the blocks and knew the
-        tokens live, so nothing to check (nor any other table's deferred appends to count: those
-        are in their own tails). Returns the blocks left without a live token, ascending."""
+        tokens live and counted its own pending appends first (`TokenTable.flush`), so nothing
+        to check: another table's pending appends are in that table's blocks. Returns the blocks
+        left without a live token, ascending."""
         if block_ids.size <= 64:  # Python integers: cheaper than the array path for a few dozen
             counts: dict[int, int] = {}
             for block_id in block_ids.tolist():
@@ -311,26 +312,26 @@ class BlockPool:
     # ---- reads (exact: deferred appends are counted first) -----------------------------------
 
     def flush_deferred(self) -> None:
-        """Count every pending append: its reverse-map entry and its block's live count
-        (`num_live_tokens` counted it when it was appended)."""
+        """Count every pending append: its block's live count, then its reverse-map entry
+        (`num_live_tokens` counted it when it was appended). The counts are checked first, so
+        that a refused flush changes nothing and keeps the appends pending."""
         slots, token_ids = self.pending_slots, self.pending_token_ids
         if not slots:
             return
         if len(slots) == 1:
-            slot, token_id = slots.pop(), token_ids.pop()
-            self._token_at[slot] = token_id
-            self.count_deferred_appends(slot // self.block_size, 1)
+            self._count_appends(slots[0] // self.block_size, 1)
+            self._token_at[slots.pop()] = token_ids.pop()
             return
         slot_array = np.array(slots, dtype=np.int64)
-        self._token_at[slot_array] = token_ids
-        slots.clear()
-        token_ids.clear()
         block_ids = slot_array // self.block_size
         block_ids.sort()
         if np.count_nonzero(block_ids[1:] == block_ids[:-1]):  # a table appended more than once since the last flush
-            self.count_deferred_appends_many(*count_by_block(block_ids))
+            self._count_appends_many(*count_by_block(block_ids))
         else:  # the usual step: one append per decoding request
-            self.count_deferred_appends_many(block_ids, np.ones(block_ids.size, dtype=np.int64))
+            self._count_appends_many(block_ids, np.ones(block_ids.size, dtype=np.int64))
+        self._token_at[slot_array] = token_ids
+        slots.clear()
+        token_ids.clear()
 
     @property
     def live_counts(self) -> np.ndarray:

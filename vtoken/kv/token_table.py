@@ -27,7 +27,8 @@ itself; after it, a separate slot cache is built by the first `slots()` and kept
 after it: an eviction only records the token, and the next read drops its entry
 (slot_cache.py), so an eviction costs O(1) whether or not anything reads the list; a batch
 eviction or a relocation makes the next read rebuild it. Reclamation reads `token_at`, so
-planning and applying cost O(blocks touched x S), not O(L). A `slots()` result is a view, valid until the table changes.
+planning and applying cost O(blocks touched x S), not O(L). A `slots()` result is a view,
+valid until the table changes.
 """
 
 from __future__ import annotations

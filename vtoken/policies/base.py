@@ -159,30 +159,8 @@ def protected_mask(view: RequestView) -> np.ndarray:
 
 def unprotected_range(view: RequestView) -> tuple[int, int]:
     """[lo, hi): the positions of view.token_ids that `protected_mask` leaves out. The ids
-    ascend, so the sinks are a prefix of them and the recent window a suffix.
-
-    No policy evicts a protected token, so in the usual view every sink and every recent token
-    is there, and the ends of token_ids say so in O(1): ascending distinct ids below
-    num_logical_tokens whose entry S-1 is S-1 start 0..S-1, and whose entry n_ids-R is n-R end
-    n-R..n-1. Any other view is searched."""
-    token_ids = view.token_ids
-    num_ids = token_ids.size
-    num_sinks, num_recent = view.num_sink_tokens, view.num_recent_tokens
-    first_recent = view.num_logical_tokens - num_recent
-    if num_ids == 0:
-        return 0, 0
-    if token_ids.item(0) >= num_sinks:
-        lo = 0
-    elif num_sinks <= num_ids and token_ids.item(num_sinks - 1) == num_sinks - 1:
-        lo = num_sinks
-    else:
-        lo = int(token_ids.searchsorted(num_sinks))
-    if num_recent == 0:
-        hi = num_ids
-    elif num_recent <= num_ids and token_ids.item(num_ids - num_recent) == first_recent:
-        hi = num_ids - num_recent
-    else:
-        hi = int(token_ids.searchsorted(first_recent))
+    ascend, so the sinks are a prefix of them and the recent window a suffix."""
+    lo, hi = view.token_ids.searchsorted((view.num_sink_tokens, view.num_logical_tokens - view.num_recent_tokens)).tolist()
     return lo, max(lo, hi)
 
 
