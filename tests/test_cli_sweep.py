@@ -79,7 +79,8 @@ def test_output_writes_a_csv_and_a_plot_per_key(tmp_path) -> None:
 @pytest.mark.parametrize(("vary", "message"), [
     ("size=8", "--vary: unknown key 'size'; choose one of: block_size, budget"),
     ("block_size", "--vary block_size: expected KEY=V1,V2,..."),
-    ("block_size=8,x", "--vary block_size: 'x' is not a int"),
+    ("block_size=8,x", "--vary block_size: 'x' is not an integer"),
+    ("theta_f=0.5,high", "--vary theta_f: 'high' is not a number"),
     ("block_size=0", "--vary block_size=0: --block-size must be > 0, got 0"),
     ("budget=lots", "--vary budget=lots:"),
     ("policy=lru", "--vary policy=lru:"),

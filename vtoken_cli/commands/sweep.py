@@ -39,6 +39,7 @@ VARY_FLAGS = {
     "reclaim_mode": ("reclaim_mode", str),
 }
 assert set(VARY_FLAGS) == set(PARAMETERS)
+_KIND = {int: "an integer", float: "a number"}  # what a value that fails its conversion is not
 
 
 def sweep_command(
@@ -121,7 +122,7 @@ def parse_vary(text: str, flags: dict) -> Vary:
         try:
             value = convert(part)
         except ValueError:
-            raise ConfigError(f"--vary {key}: '{part}' is not a {convert.__name__}") from None
+            raise ConfigError(f"--vary {key}: '{part}' is not {_KIND[convert]}") from None
         try:
             run = base_run({**flags, argument: value})
         except ConfigError as exc:
