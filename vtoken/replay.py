@@ -162,7 +162,10 @@ class SimReplayer:
             for idx in indices[job] if on_done is not None else ():
                 on_done(idx, result)
 
-        streamed = (lambda missing_idx, n: on_tokens(indices[missing[missing_idx]][0], n)) if on_tokens else None
+        # a replay streams its tokens every step: look its index up once, not by the job (whose hash
+        # walks every request) at every report
+        first_idx = [indices[job][0] for job in missing]
+        streamed = (lambda missing_idx, n: on_tokens(first_idx[missing_idx], n)) if on_tokens else None
         self.runner.map(replay_job, missing, store, streamed)
         return [self._results[job] for job in jobs]
 
