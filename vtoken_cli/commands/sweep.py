@@ -40,6 +40,7 @@ VARY_FLAGS = {
 }
 assert set(VARY_FLAGS) == set(PARAMETERS)
 _KIND = {int: "an integer", float: "a number"}  # what a value that fails its conversion is not
+assert {convert for _, convert in VARY_FLAGS.values()} <= {str, *_KIND}  # str takes any value
 
 
 def sweep_command(
