@@ -4,6 +4,7 @@ when anything did."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import replace
@@ -134,6 +135,26 @@ def test_the_key_covers_every_field_of_the_run_and_the_code(monkeypatch) -> None
     assert job_key(ReplayJob(make_experiment().run("vtoken", 4, admit_all_at_start=True), REQUESTS)) != key
     monkeypatch.setattr(cache_module, "code_fingerprint", lambda: "vtoken 0.1.0; numpy x; source edited")
     assert job_key(job) != key
+
+
+def test_the_key_is_the_sha256_of_one_canonical_document() -> None:
+    """Written in parts, the key is still the one document's (so that a cache written before
+    stays valid): every field, keys sorted, no spaces."""
+    job = ReplayJob(make_run(), REQUESTS)
+    document = {"format": cache_module.CACHE_FORMAT, "code": cache_module.code_fingerprint(),
+                "run": cache_module._canonical(job.run), "requests": [cache_module._canonical(r) for r in REQUESTS]}
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    assert job_key(job) == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_jobs_that_share_their_requests_write_them_once(monkeypatch) -> None:
+    written, canonical = [], cache_module._canonical
+    monkeypatch.setattr(cache_module, "_canonical", lambda value: (written.append(value), canonical(value))[1])
+    cache_module._requests_json.cache_clear()
+    requests = tuple(replace(r, request_id=f"shared {r.request_id}") for r in REQUESTS)
+    keys = {job_key(ReplayJob(make_run(c), requests)) for c in (1, 2, 4)} | {job_key(ReplayJob(make_run(1), list(requests)))}
+    assert len(keys) == 3
+    assert sum(isinstance(value, Request) for value in written) == len(requests)
 
 
 def test_an_interrupted_batch_keeps_what_finished(tmp_path) -> None:

