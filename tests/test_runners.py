@@ -191,9 +191,9 @@ class RecordingRunner(SerialRunner):
     def __init__(self) -> None:
         self.batches: list[list[tuple[str, int, int]]] = []
 
-    def map(self, func, jobs, on_done=None):
+    def map(self, func, jobs, on_done=None, on_tokens=None):
         self.batches.append([(j.run.spec.variant, len(j.requests), j.run.experiment.num_blocks) for j in jobs])
-        return super().map(func, jobs, on_done)
+        return super().map(func, jobs, on_done, on_tokens)
 
 
 def test_the_frontier_runs_in_two_batches_on_the_runner_with_the_serial_result() -> None:
@@ -227,3 +227,16 @@ def test_audit_on_two_worker_processes_gives_the_serial_json() -> None:
     assert recorded == serial
     assert len(runner.batches[0]) == 5  # native, and naive-evict and vtoken per policy: one batch
     assert audit_report_to_json(audit(str(small), overrides, runner=ProcessRunner(2))) == serial
+
+
+def test_a_repeated_audit_replays_nothing_its_cache_holds(tmp_path) -> None:
+    small = ROOT / "tests" / "data" / "audit_small.toml"
+    overrides = Overrides(max_requests=6, frontier_max_concurrency=8)
+    first, again = CountingRunner(), CountingRunner()
+    measured = audit_report_to_json(audit(str(small), overrides, runner=first, cache=RunCache(tmp_path)))
+    assert sum(not admitted_at_once for *_, admitted_at_once in first.replayed) == 5  # and the capacity probes
+    assert audit_report_to_json(audit(str(small), overrides, runner=again, cache=RunCache(tmp_path))) == measured
+    assert again.replayed == []
+    changed = replace(overrides, seed=1)
+    audit(str(small), changed, runner=again, cache=RunCache(tmp_path))
+    assert sum(not admitted_at_once for *_, admitted_at_once in again.replayed) == 5

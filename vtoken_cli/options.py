@@ -281,8 +281,9 @@ RayAddress = Annotated[Optional[str], typer.Option(
     "--ray", help="Run the independent replays on a Ray cluster: its address (auto, HOST:PORT, ray://HOST:PORT), "
                   "or 'local' to start one on this machine. Needs vtoken[ray].")]
 CacheDir = Annotated[Optional[Path], typer.Option(
-    help="Cache of sim replays, keyed by a hash of everything that determines one (default: $VTOKEN_CACHE_DIR, "
-         "else ~/.cache/vtoken/runs). A cached replay keeps the host time it was measured with.")]
+    help="Cache of sim replays, keyed by a hash of everything that determines one (default: $VTOKEN_RUN_CACHE_DIR, "
+         "else runs/ in vtoken's cache root: $VTOKEN_CACHE_DIR, $XDG_CACHE_HOME/vtoken or ~/.cache/vtoken). A cached "
+         "replay keeps the host time it was measured with.")]
 NoCache = Annotated[bool, typer.Option("--no-cache", help="Replay everything; read and write no cache.")]
 Variants = Annotated[str, typer.Option(help="Variants to run, comma-separated (default: native,naive-evict,vtoken).")]
 

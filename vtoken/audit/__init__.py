@@ -47,6 +47,7 @@ from vtoken.audit.report import (
 from vtoken.audit.settings import DEFAULT_TIMEOUT_S, Overrides, Settings, load_settings
 from vtoken.audit.watch import scrape_all
 from vtoken.audit.workload import EDGES, MAX_SYNTHETIC_REQUESTS, ReplicaWorkload, ServerWorkload
+from vtoken.cache import RunCache
 from vtoken.endpoint import LiveState
 from vtoken.http_get import redact_url
 from vtoken.errors import EndpointError
@@ -69,18 +70,19 @@ __all__ = [
 
 
 def audit(target: str, overrides: Overrides | None = None, progress: AuditProgress | None = None,
-          runner: Runner | None = None) -> AuditReport:
+          runner: Runner | None = None, cache: RunCache | None = None) -> AuditReport:
     """Audit the deployment `target` (a TOML path or an http(s):// URL); see the module docstring.
-    `runner`: where the replays run (vtoken.runners; default: this process).
+    `runner`: where the replays run (vtoken.runners; default: this process); `cache`: the replays
+    kept on disk (vtoken.cache; default: none).
 
     Raises ConfigError / TraceError / EndpointError (all VTokenError) for any bad input.
     """
     deployment, live = resolve_deployment(target, overrides or Overrides())
-    return _audit_one(deployment, live, probe_gpus(), progress, runner)
+    return _audit_one(deployment, live, probe_gpus(), progress, runner, cache)
 
 
-def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
-                     progress: AuditProgress | None = None, runner: Runner | None = None) -> DeploymentAudit:
+def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None, progress: AuditProgress | None = None,
+                     runner: Runner | None = None, cache: RunCache | None = None) -> DeploymentAudit:
     """Audit every replica: each target, and each engine of a data-parallel server, on its own.
 
     A server that does not answer (EndpointError) is a `ReplicaFailure` and the others are
@@ -101,7 +103,7 @@ def audit_deployment(targets: Sequence[str], overrides: Overrides | None = None,
             failures.append(ReplicaFailure(redact_url(target), str(exc)))
             continue
         for deployment in deployments:
-            reports.append(_audit_one(deployment, live, gpus, _prefixed(progress, deployment.source), runner))
+            reports.append(_audit_one(deployment, live, gpus, _prefixed(progress, deployment.source), runner, cache))
     if not reports:
         if len(failures) == 1:
             raise EndpointError(failures[0].reason)
@@ -126,13 +128,13 @@ def window_scrapes(targets: Sequence[str], overrides: Overrides) -> dict[str, Sc
 
 
 def _audit_one(deployment: Deployment, live: LiveState | None, gpus: NvmlReport,
-               progress: AuditProgress | None, runner: Runner | None = None) -> AuditReport:
+               progress: AuditProgress | None, runner: Runner | None = None, cache: RunCache | None = None) -> AuditReport:
     traces = workload_traces(deployment.workload)
     edges = [edge for edge in EDGES if edge != "mid" and edge in traces]
     num_replays = 1 + len(edges)
-    policies = measure(deployment, traces["mid"].requests, _offset(progress, 0, num_replays, ""), runner)
+    policies = measure(deployment, traces["mid"].requests, _offset(progress, 0, num_replays, ""), runner, cache)
     at_edges = {edge: measure(deployment, traces[edge].requests, _offset(progress, k + 1, num_replays, f"{edge} edge: "),
-                              runner)
+                              runner, cache)
                 for k, edge in enumerate(edges)}
     loop = (compare_with_sim(deployment.measured, {p.policy: p.runs for p in policies},
                                     deployment.kv_bytes_per_block)

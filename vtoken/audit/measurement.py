@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 from vtoken.analysis import frontier
 from vtoken.audit.deployment import Deployment
-from vtoken.engine import EvictionConfig, Experiment, Run, run_sim
+from vtoken.cache import RunCache
+from vtoken.engine import EvictionConfig, Experiment, Run
 from vtoken.metrics import RunResult
-from vtoken.runners import ReplayJob, Runner, SerialRunner, replay_job
+from vtoken.replay import SimReplayer
+from vtoken.runners import ReplayJob, ReplayProgress, Runner
 from vtoken.trace import Request, num_output_tokens
 
 AUDIT_VARIANTS = ("native", "naive-evict", "vtoken")
@@ -74,20 +76,22 @@ def num_progress_units(deployment: Deployment, requests: Sequence[Request]) -> i
     return num_runs * num_output_tokens(requests) + num_runs
 
 
-def measure(deployment: Deployment, requests: Sequence[Request],
-            progress: AuditProgress | None = None, runner: Runner | None = None) -> tuple[PolicyAudit, ...]:
+def measure(deployment: Deployment, requests: Sequence[Request], progress: AuditProgress | None = None,
+            runner: Runner | None = None, cache: RunCache | None = None) -> tuple[PolicyAudit, ...]:
     """Replay `requests` through native once and naive-evict + vtoken per policy, closed loop at
     the workload's concurrency on the deployment's block budget; then search the capacity.
 
     The replays are independent: one batch on `runner` (local processes or Ray, vtoken.runners;
     default: one after the other here, reporting progress as they generate). The capacity
-    searches bisect, one probe after the other, in this process."""
+    searches bisect, one probe after the other, in this process. Every replay, probes included,
+    is read from `cache` when it holds it and written there when it does not (vtoken.cache)."""
     tracker = _Tracker(progress, num_progress_units(deployment, requests))
+    replayer = SimReplayer(runner=runner, cache=cache)
     concurrency = deployment.workload.concurrency
     base = experiment_of(deployment, deployment.policies[0])
-    replayed = _replays(deployment, tuple(requests), tracker, runner or SerialRunner())
+    replayed = _replays(deployment, tuple(requests), tracker, replayer)
     native = replayed[None, "native"]
-    native_capacity = _capacity(base.run("native", concurrency), requests, deployment, None)
+    native_capacity = _capacity(base.run("native", concurrency), requests, deployment, None, replayer)
     tracker.advance("capacity native", 1)
     audits = []
     for policy in deployment.policies:
@@ -97,7 +101,7 @@ def measure(deployment: Deployment, requests: Sequence[Request],
         guess = native_capacity.max_concurrency
         for variant in ("naive-evict", "vtoken"):
             runs[variant] = replayed[policy, variant]
-            capacity[variant] = _capacity(experiment.run(variant, concurrency), requests, deployment, guess)
+            capacity[variant] = _capacity(experiment.run(variant, concurrency), requests, deployment, guess, replayer)
             guess = capacity[variant].max_concurrency
             tracker.advance(f"capacity {policy}", 1)
         audits.append(_policy_audit(policy, runs, capacity, deployment))
@@ -114,7 +118,7 @@ def experiment_of(deployment: Deployment, policy: str) -> Experiment:
 
 
 def _replays(deployment: Deployment, requests: tuple[Request, ...], tracker: _Tracker,
-             runner: Runner) -> dict[tuple[str | None, str], RunResult]:
+             replayer: SimReplayer) -> dict[tuple[str | None, str], RunResult]:
     """Native (key (None, "native")) and each policy's naive-evict and vtoken, as one batch."""
     concurrency = deployment.workload.concurrency
     keys: list[tuple[str | None, str]] = [(None, "native")]
@@ -123,31 +127,13 @@ def _replays(deployment: Deployment, requests: tuple[Request, ...], tracker: _Tr
         for variant in ("naive-evict", "vtoken"):
             keys.append((policy, variant))
             jobs.append(ReplayJob(experiment_of(deployment, policy).run(variant, concurrency), requests))
-    if isinstance(runner, SerialRunner):  # here: progress as each replay generates
-        results = runner.map(lambda job: _replay(job.run, job.requests, tracker), jobs)
-    else:
-        on_done = lambda idx, result: tracker.advance(_stage(jobs[idx].run), num_output_tokens(requests))  # noqa: E731
-        results = runner.map(replay_job, jobs, on_done)
-    return dict(zip(keys, results))
+    progress = ReplayProgress(tracker.advance, jobs, lambda idx: _stage(jobs[idx].run))
+    return dict(zip(keys, replayer.run_many(jobs, progress.on_done, progress.on_tokens)))
 
 
 def _stage(run: Run) -> str:
     variant = run.spec.variant
     return variant if variant == "native" else f"{run.experiment.eviction.policy} {variant}"
-
-
-def _replay(run: Run, requests: Sequence[Request], tracker: _Tracker) -> RunResult:
-    stage = _stage(run)
-    num_done = 0
-
-    def on_progress(num_units: int) -> None:
-        nonlocal num_done
-        num_done += num_units
-        tracker.advance(stage, num_units)
-
-    result = run_sim(run, requests, on_progress)
-    tracker.advance(stage, num_output_tokens(requests) - num_done)  # Runtime.run reports them all
-    return result
 
 
 def _policy_audit(policy: str, runs: dict[str, RunResult], capacity: dict[str, Capacity],
@@ -160,13 +146,16 @@ def _policy_audit(policy: str, runs: dict[str, RunResult], capacity: dict[str, C
 # ---- capacity: the largest concurrency that fits ------------------------------------------------
 
 
-def _capacity(run: Run, requests: Sequence[Request], deployment: Deployment, guess: int | None) -> Capacity:
-    """Largest C <= frontier_max_concurrency with `analysis.frontier` feasible for this variant.
+def _capacity(run: Run, requests: Sequence[Request], deployment: Deployment, guess: int | None,
+              replayer: SimReplayer) -> Capacity:
+    """Largest C <= frontier_max_concurrency with `analysis.frontier` feasible for this variant,
+    its probes replayed by `replayer`.
 
     `guess` (another variant's answer; the cap when None) is probed first.
     """
     cap = deployment.frontier_max_concurrency
-    is_feasible = _memoized(lambda c: frontier(run.experiment, requests, (c,), (run.spec.variant,)).points[0].is_feasible)
+    is_feasible = _memoized(lambda c: frontier(run.experiment, requests, (c,), (run.spec.variant,),
+                                               run_many=replayer.run_many).points[0].is_feasible)
     found = _largest_feasible(is_feasible, 0, cap + 1, cap if guess is None else guess)
     return Capacity(found, found == cap)
 

@@ -28,9 +28,9 @@ from vtoken.policies import DEFAULT_AUDIT_POLICIES
 from vtoken.runners import make_runner
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    GPU_NAMES, MODEL_NAMES, POLICY_NAMES, TRACE_FORMAT_NAMES, Force, JsonOut, MaxRequests, Output, RayAddress, TimeUnit,
-    Workers,
-    check_flags, resolve_policies,
+    GPU_NAMES, MODEL_NAMES, POLICY_NAMES, TRACE_FORMAT_NAMES, CacheDir, Force, JsonOut, MaxRequests, NoCache, Output,
+    RayAddress, TimeUnit, Workers,
+    build_cache, check_flags, resolve_policies,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.commands.audit_watch import watch_command
@@ -78,6 +78,8 @@ def audit_command(
     force: Force = False,
     workers: Workers = None,
     ray: RayAddress = None,
+    cache_dir: CacheDir = None,
+    no_cache: NoCache = False,
 ) -> None:
     """Audit DEPLOYMENT: replay its workload (for a server, what it has served) on its KV block
     budget with naive eviction and with vToken, per policy, and report the waste, the trapped
@@ -139,7 +141,7 @@ def audit_command(
     with progress_bar(stderr, 26, "audit") as bar:
         task = bar.add_task("reading the deployment", total=None)
         result = audit_deployment(deployments, overrides, lambda stage, done, total: bar.update(
-            task, completed=done, total=total, description=stage), runner)
+            task, completed=done, total=total, description=stage), runner, build_cache(cache_dir, no_cache))
     require_measured_audit(result)
     is_one = len(result.replicas) == 1 and not result.failures
     payload = report_to_json(result.replicas[0]) if is_one else deployment_to_json(result)
