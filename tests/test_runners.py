@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -66,6 +68,32 @@ def test_a_runner_returns_results_in_job_order_and_reports_each_job() -> None:
     assert sorted(done) == [0, 1, 2]
     without_host_time = [replace(r, host_time_s=0.0) for r in results]
     assert without_host_time == [replace(replay_job(job), host_time_s=0.0) for job in jobs]
+
+
+def worker_pid(job: int) -> int:
+    return os.getpid()
+
+
+def fails_on_two(job: int) -> int:
+    if job == 2:
+        raise ValueError("job 2 failed")
+    return job * job
+
+
+def test_a_process_runner_keeps_its_workers_from_one_batch_to_the_next() -> None:
+    with ProcessRunner(2) as runner:
+        runner.map(worker_pid, [0, 1, 2, 3])
+        workers = {child.pid for child in multiprocessing.active_children()}
+        assert set(runner.map(worker_pid, [0, 1, 2, 3])) <= workers  # no new process started
+        assert os.getpid() not in workers
+    assert not workers & {child.pid for child in multiprocessing.active_children()}  # closed: they are gone
+
+
+def test_a_batch_that_raises_leaves_the_runner_usable() -> None:
+    with ProcessRunner(2) as runner:
+        with pytest.raises(ValueError, match="job 2 failed"):
+            runner.map(fails_on_two, [1, 2, 3])
+        assert runner.map(fails_on_two, [1, 3, 4]) == [1, 9, 16]
 
 
 def test_make_runner() -> None:

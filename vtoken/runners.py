@@ -6,6 +6,8 @@
                                        also on_tokens(idx, n) as job idx generates tokens:
                                        func(job, report) calls report(n) as it goes
     make_runner(workers, ray_address)  SerialRunner | ProcessRunner | RayRunner
+    with runner: ...                   runner.close() at the end: local worker processes are
+                                       kept from one batch to the next until then
 
 `func` must be a module-level function and every job picklable (a `ReplayJob` is: frozen
 dataclasses and tuples). Results do not depend on the runner: a replay is a pure function of
@@ -14,13 +16,12 @@ the same results; only the host time each replay measured differs.
 
 Worker processes are spawned, not forked: a forked child would inherit the parent's threads and
 locks (numpy's BLAS pool, a progress bar's refresh thread), and spawn behaves the same on Linux
-and macOS. A spawned worker imports vtoken once (about a second) and then takes jobs until the
-batch is done.
+and macOS. A spawned worker imports vtoken once (about a second) and then takes jobs, batch
+after batch, until the runner is closed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import queue
@@ -81,6 +82,14 @@ class ReplayProgress:
 class Runner(Protocol):
     name: str
 
+    def __enter__(self) -> Runner: ...
+
+    def __exit__(self, *exc_info: object) -> None:
+        """`close()`."""
+
+    def close(self) -> None:
+        """Release what the runner keeps between batches (worker processes); it may run more after."""
+
     def map(self, func: Callable[..., Any], jobs: Sequence[Any], on_done: OnDone | None = None,
             on_tokens: OnTokens | None = None) -> list[Any]:
         """`[func(job) for job in jobs]` in job order; `on_done(idx, result)` as job `idx` finishes.
@@ -94,7 +103,20 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-class SerialRunner:
+class _Closing:
+    """`with runner:` closes it at the end."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+
+class SerialRunner(_Closing):
     """Every job in this process, one after the other."""
 
     name = "serial"
@@ -109,9 +131,17 @@ class SerialRunner:
         return results
 
 
-class ProcessRunner:
-    """`workers` spawned local processes (never more than there are jobs); one job alone runs
-    in this process, where a worker's start-up would cost more than it saves."""
+class ProcessRunner(_Closing):
+    """`workers` spawned local processes; one job alone runs in this process, where a worker's
+    start-up would cost more than it saves.
+
+    The workers are started at the first batch of more than one job, as many as its jobs (at
+    most `workers`), and kept for the batches after it: a command's stages (compare's replays,
+    then the frontier's two batches; the audit's capacity probes) are several batches, and a
+    fresh pool per batch would spawn its workers, which import vtoken, and the token reports'
+    manager process again each time (about a second). `close()` (or leaving a `with` block) ends them; so does the end of this process. A batch
+    that raises (a job failed, or Ctrl-C) ends them too, its pending jobs cancelled: the next
+    batch starts fresh ones."""
 
     name = "processes"
 
@@ -119,35 +149,58 @@ class ProcessRunner:
         if workers <= 0:
             raise ConfigError(f"--workers must be > 0, got {workers}")
         self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._manager: Any = None  # a multiprocessing manager, for the token reports' queue
+        self._reports: Any = None
+
+    def close(self) -> None:
+        """End the worker processes (and the reports' manager); the next batch starts new ones."""
+        pool, manager = self._pool, self._manager
+        self._pool = self._manager = self._reports = None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if manager is not None:
+            manager.shutdown()
 
     def map(self, func: Callable[..., Any], jobs: Sequence[Any], on_done: OnDone | None = None,
             on_tokens: OnTokens | None = None) -> list[Any]:
         if len(jobs) <= 1 or self.workers == 1:
             return SerialRunner().map(func, jobs, on_done, on_tokens)
         results: list[Any] = [None] * len(jobs)
-        context = multiprocessing.get_context("spawn")
-        with contextlib.ExitStack() as stack:
-            pool = stack.enter_context(ProcessPoolExecutor(max_workers=min(self.workers, len(jobs)), mp_context=context))
-            reports = stack.enter_context(context.Manager()).Queue() if on_tokens is not None else None
-            if reports is None:
-                pending = {pool.submit(func, job): idx for idx, job in enumerate(jobs)}
-            else:
-                pending = {pool.submit(_reporting, func, job, idx, reports): idx for idx, job in enumerate(jobs)}
-            try:
-                while pending:
-                    done, _ = wait(pending, timeout=TOKEN_REPORT_INTERVAL_S, return_when=FIRST_COMPLETED)
-                    if reports is not None:  # a finished job's reports are all queued before its result
-                        _drain(reports, on_tokens)
-                    for future in sorted(done, key=pending.__getitem__):
-                        idx = pending.pop(future)
-                        results[idx] = future.result()
-                        if on_done is not None:
-                            on_done(idx, results[idx])
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                raise
+        pending: dict = {}
+        try:
+            pool = self._started_pool()
+            reports = self._report_queue() if on_tokens is not None else None
+            for idx, job in enumerate(jobs):
+                future = pool.submit(func, job) if reports is None else pool.submit(_reporting, func, job, idx, reports)
+                pending[future] = idx
+            while pending:
+                done, _ = wait(pending, timeout=TOKEN_REPORT_INTERVAL_S, return_when=FIRST_COMPLETED)
+                if reports is not None:  # a finished job's reports are all queued before its result
+                    _drain(reports, on_tokens)
+                for future in sorted(done, key=pending.__getitem__):
+                    idx = pending.pop(future)
+                    results[idx] = future.result()
+                    if on_done is not None:
+                        on_done(idx, results[idx])
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            self.close()  # its workers may be broken or still busy with the cancelled batch
+            raise
         return results
+
+    def _started_pool(self) -> ProcessPoolExecutor:
+        # spawned workers start on demand, one per job submitted while none is idle
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def _report_queue(self) -> Any:
+        if self._reports is None:
+            self._manager = multiprocessing.get_context("spawn").Manager()
+            self._reports = self._manager.Queue()
+        return self._reports
 
 
 def _reporting(func: Callable[..., Any], job: Any, idx: int, reports: Any) -> Any:
@@ -175,12 +228,12 @@ def _drain(reports: Any, on_tokens: OnTokens) -> None:
         on_tokens(idx, num_tokens)
 
 
-class RayRunner:
+class RayRunner(_Closing):
     """A Ray cluster: `address` of a running one (`auto`, `HOST:PORT`, `ray://HOST:PORT`), or
     `local` to start one on this machine, bound to 127.0.0.1, with `num_cpus` CPUs (default:
     the cores available). The cluster is joined (or started) at the first batch of more than
-    one job and left to Ray's own shutdown at exit; one job alone runs in this process. The
-    cluster's nodes need the same vtoken (and numpy) installed as this machine."""
+    one job and left to Ray's own shutdown at exit (`close()` leaves it); one job alone runs in
+    this process. The cluster's nodes need the same vtoken (and numpy) installed as this machine."""
 
     name = "ray"
 

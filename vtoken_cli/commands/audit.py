@@ -137,8 +137,8 @@ def audit_command(
         trace_format=trace_format, time_unit=time_unit, max_requests=max_requests, concurrency=concurrency,
         frontier_max_concurrency=frontier_max, timeout_s=timeout, window_s=window, seed=seed,
     )
-    runner = make_runner(workers, ray)
-    with progress_bar(stderr, 26, "audit") as bar:
+    runner = make_runner(workers, ray)  # closed, its worker processes ended, after the replays
+    with runner, progress_bar(stderr, 26, "audit") as bar:
         task = bar.add_task("reading the deployment", total=None)
         result = audit_deployment(deployments, overrides, lambda stage, done, total: bar.update(
             task, completed=done, total=total, description=stage), runner, build_cache(cache_dir, no_cache))

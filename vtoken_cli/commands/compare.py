@@ -110,9 +110,10 @@ def compare_command(
       {"request_id": "b", "timestamp": 0.4, "input_length": 900,
        "output_length": 64, "prefix_id": "sys", "prefix_length": 512}   (one line)
     """
+    runner = make_runner(workers, ray)  # closed, its worker processes ended, after the replays
     replayer = make_replayer(executor, model=model, gpu_mem_util=gpu_mem_util,
                              on_status=lambda message: stderr.print(message, highlight=False),
-                             runner=make_runner(workers, ray), cache=build_cache(cache_dir, no_cache))
+                             runner=runner, cache=build_cache(cache_dir, no_cache))
     if output is not None:
         check_output_dir(output, force)
     check_concurrency(concurrency)
@@ -130,7 +131,7 @@ def compare_command(
                              concurrency=None if open_loop else concurrency, rounds=rounds, warmup=warmup)
     loaded = within_context(load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
                                        tokenizer=build_tokenizer(tokenizer)), experiment.model.max_model_len)
-    with progress_bar(stderr, 22, "compare") as bar:
+    with runner, progress_bar(stderr, 22, "compare") as bar:
         task = bar.add_task("replaying", total=num_progress_units(loaded, options, replayer))
         report = compare(loaded, experiment, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
                          num_blocks=num_blocks)

@@ -125,7 +125,8 @@ def paper_command(
                                   chunked_prefill=chunked_prefill, long_prefill_token_threshold=None,
                                   evict_every_chunk=False),
     ).run("vtoken", check_concurrency(concurrency or DEFAULT_CONCURRENCY))
-    replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),
+    runner = make_runner(workers, ray)  # closed, its worker processes ended, after the replays
+    replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=runner,
                            cache=build_cache(cache_dir, no_cache))
     loaded = None
     if experiment in DEFAULT_TRACE:
@@ -133,7 +134,7 @@ def paper_command(
                                      max_requests=max_requests or DEFAULT_MAX_REQUESTS.get(experiment),
                                      tokenizer=build_tokenizer(tokenizer))
     one_budget = block_budget[0] if block_budget else None
-    with progress_bar(stderr, 22, f"paper {experiment}") as bar:
+    with runner, progress_bar(stderr, 22, f"paper {experiment}") as bar:
         task = bar.add_task("replaying", total=None)
         progress = lambda stage, n: bar.update(task, advance=n, description=stage)  # noqa: E731
         if experiment == "fig7":

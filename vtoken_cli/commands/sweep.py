@@ -92,11 +92,12 @@ def sweep_command(
                                            evict_every_chunk=evict_every_chunk))
     options = SweepOptions(tuple(parse_vary(text, flags) for text in vary), grid, parse_variants(variants))
     base = base_run(flags, options.variants[-1])
-    replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=make_runner(workers, ray),
+    runner = make_runner(workers, ray)  # closed, its worker processes ended, after the replays
+    replayer = SimReplayer(gpu_mem_util=gpu_mem_util, runner=runner,
                            cache=build_cache(cache_dir, no_cache))
     loaded = load_trace(trace, trace_format, time_unit=time_unit, max_requests=max_requests,
                         tokenizer=build_tokenizer(tokenizer))
-    with progress_bar(stderr, 22, "sweep") as bar:
+    with runner, progress_bar(stderr, 22, "sweep") as bar:
         task = bar.add_task("replaying", total=num_progress_units(loaded, base, options))
         report = sweep(loaded, base, options, replayer, lambda stage, n: bar.update(task, advance=n, description=stage),
                        num_blocks=num_blocks)
