@@ -1,11 +1,12 @@
 """Speed-up of `--workers`: the quick start's compare (`vtoken compare
-sample_traces/azure_conv_sample.csv --num-blocks 2000`) with 1 and with N worker processes,
-alternating over rounds, no cache. Wall seconds of the whole command (start-up included),
-median and range per setting, the speed-up of each round's pair (serial / workers) with its
-range, the load average the machine was under, and a check that every round printed the same
-JSON. Host seconds, not a test.
+sample_traces/azure_conv_sample.csv --num-blocks 2000`), or with `--command audit` the example
+audit (`vtoken audit examples/llama8b-l40s.toml`: four policies' replays, then the capacity
+searches), with 1 and with N worker processes, alternating over rounds, no cache. Wall seconds
+of the whole command (start-up included), median and range per setting, the speed-up of each
+round's pair (serial / workers) with its range, the load average the machine was under, and a
+check that every round printed the same JSON. Host seconds, not a test.
 
-    python benchmarks/bench_workers.py [--rounds 3] [--workers 2]
+    python benchmarks/bench_workers.py [--command compare|audit] [--rounds 3] [--workers 2]
 """
 
 from __future__ import annotations
@@ -20,18 +21,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VTOKEN = Path(sys.executable).with_name("vtoken")
-COMMAND = [str(VTOKEN), "compare", str(ROOT / "sample_traces" / "azure_conv_sample.csv"), "--num-blocks", "2000",
-           "--json", "--no-cache"]
+COMMANDS = {
+    "compare": [str(VTOKEN), "compare", str(ROOT / "sample_traces" / "azure_conv_sample.csv"), "--num-blocks", "2000",
+                "--json", "--no-cache"],
+    "audit": [str(VTOKEN), "audit", str(ROOT / "examples" / "llama8b-l40s.toml"), "--json", "--no-cache"],
+}
 
 
-def timed_run(num_workers: int) -> tuple[float, str]:
+def timed_run(command: list[str], num_workers: int) -> tuple[float, str]:
     started = time.perf_counter()
-    done = subprocess.run([*COMMAND, "--workers", str(num_workers)], check=True, capture_output=True, text=True)
+    done = subprocess.run([*command, "--workers", str(num_workers)], check=True, capture_output=True, text=True)
     return time.perf_counter() - started, done.stdout
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--command", choices=tuple(COMMANDS), default="compare")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
@@ -41,7 +46,7 @@ def main() -> None:
     load = os.getloadavg()
     for round_idx in range(args.rounds):
         for num_workers in settings if round_idx % 2 == 0 else reversed(settings):
-            elapsed, stdout = timed_run(num_workers)
+            elapsed, stdout = timed_run(COMMANDS[args.command], num_workers)
             wall_s[num_workers].append(elapsed)
             outputs.add(stdout)
             print(f"round {round_idx + 1}: --workers {num_workers}: {elapsed:.1f} s", flush=True)

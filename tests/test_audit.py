@@ -12,7 +12,7 @@ from fakeserver import Route, serve
 
 import vtoken.audit as audit_module
 import vtoken.audit.deployment as deployment_module
-from vtoken.analysis import frontier
+from vtoken.analysis import frontier, run_steps
 from vtoken.audit import (
     AuditReport, Overrides, _largest_feasible, audit, bundled_sample_path, load_settings, load_workload,
     measure, report_rows, report_to_json, resolve_deployment, experiment_of,
@@ -284,11 +284,12 @@ def test_capacity_search_equals_an_exhaustive_frontier_sweep(small_report: Audit
 def test_galloping_bisection_finds_the_threshold(threshold: int, guess: int) -> None:
     probed: list[int] = []
 
-    def is_feasible(c: int) -> bool:
+    def is_feasible(c: int):  # steps that need no replay
         probed.append(c)
         return c <= threshold
+        yield
 
-    assert _largest_feasible(is_feasible, 0, 11, guess) == min(threshold, 10)
+    assert run_steps(_largest_feasible(is_feasible, 0, 11, guess), run_many=None) == min(threshold, 10)
     assert all(1 <= c <= 10 for c in probed)
     assert len(probed) <= 2 * math.ceil(math.log2(11)) + 1
 

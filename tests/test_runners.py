@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vtoken import cache as cache_module
-from vtoken.analysis import frontier
+from vtoken.analysis import frontier, run_together
 from vtoken.audit import Overrides, audit
 from vtoken.audit import report_to_json as audit_report_to_json
 from vtoken.cache import RunCache, job_key
@@ -94,6 +94,26 @@ def test_a_batch_that_raises_leaves_the_runner_usable() -> None:
         with pytest.raises(ValueError, match="job 2 failed"):
             runner.map(fails_on_two, [1, 2, 3])
         assert runner.map(fails_on_two, [1, 3, 4]) == [1, 9, 16]
+
+
+def test_computations_run_together_see_what_they_see_alone() -> None:
+    def computation(name: str, batch_sizes: tuple[int, ...]):
+        seen = []
+        for size in batch_sizes:
+            yield [f"{name}{k}" for k in range(size)], lambda k, result: seen.append((k, result))
+        return seen
+
+    batches = []
+
+    def run_many(jobs, on_done):
+        batches.append(list(jobs))
+        for idx, job in reversed(list(enumerate(jobs))):  # in any order
+            on_done(idx, job.upper())
+
+    a, b = run_together([computation("a", (2, 1)), computation("b", (1, 1, 3))], run_many)
+    assert batches == [["a0", "a1", "b0"], ["a0", "b0"], ["b0", "b1", "b2"]]  # one batch a round
+    assert a == [(1, "A1"), (0, "A0"), (0, "A0")]
+    assert b == [(0, "B0"), (0, "B0"), (2, "B2"), (1, "B1"), (0, "B0")]
 
 
 def test_make_runner() -> None:
@@ -254,6 +274,11 @@ def test_audit_on_two_worker_processes_gives_the_serial_json() -> None:
     recorded = audit_report_to_json(audit(str(small), overrides, runner=runner))
     assert recorded == serial
     assert len(runner.batches[0]) == 5  # native, and naive-evict and vtoken per policy: one batch
+    # the capacity searches: native's alone, then both policies' probes side by side, a batch a round
+    probes = [[variant for variant, *_ in batch] for batch in runner.batches[1:]]
+    num_native = probes.count(["native"])
+    assert num_native and probes[:num_native] == [["native"]] * num_native
+    assert ["naive-evict", "naive-evict"] in probes[num_native:]
     assert audit_report_to_json(audit(str(small), overrides, runner=ProcessRunner(2))) == serial
 
 

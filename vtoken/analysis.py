@@ -16,14 +16,17 @@ the capacity frontier, and repeats with confidence intervals.
 
 The sweep's replays are independent and go to a replayer's `run_many` as one batch (local
 processes or Ray, vtoken.runners); so do the frontier's, in two batches: every point in an
-unbounded pool, then in the budget the points that need it (which depends on the first).
+unbounded pool, then in the budget the points that need it (which depends on the first). The
+frontier is written as steps (`frontier_steps`, `run_steps`), so that several searches that
+each probe one frontier point at a time run their probes together (`run_together`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -39,6 +42,9 @@ SLA_METRICS = {"e2e": "latency", "ttft": "ttft", "tpot": "tpot"}
 Progress = Callable[[str, int], None]  # (stage description, units done)
 Replay = Callable[[Run, Sequence[Request]], RunResult]  # one replay; `run_sim` unless a replayer's
 RunMany = Callable[[Sequence[ReplayJob], OnDone | None, OnTokens | None], list[RunResult]]  # a batch of independent replays
+T = TypeVar("T")
+StepBatch = tuple[Sequence[ReplayJob], OnDone]  # one batch of a computation's steps: its jobs, what each result goes to
+Steps = Generator[StepBatch, None, T]  # a computation that needs batches of replays (`run_steps`)
 
 
 @dataclass(frozen=True)
@@ -150,10 +156,17 @@ def frontier(base: Experiment, requests: Sequence[Request], concurrencies: Seque
     """Block demand and feasibility of C co-resident requests (the first C of `requests`,
     cycled if fewer), per variant: see the module docstring. `run_many`: how a batch of
     replays runs (a replayer's); default: one after the other in this process through `replay`."""
-    base = base.with_scheduler_defaults()
-    budget = base.num_blocks
     if run_many is None:
         run_many = lambda jobs, on_done: SerialRunner().map(lambda job: replay(job.run, job.requests), jobs, on_done)  # noqa: E731
+    return run_steps(frontier_steps(base, requests, concurrencies, variants, progress), run_many)
+
+
+def frontier_steps(base: Experiment, requests: Sequence[Request], concurrencies: Sequence[int],
+                   variants: Sequence[str] = VARIANTS, progress: Progress | None = None) -> Steps[Frontier]:
+    """`frontier` as steps (`run_steps`): its batches, every point in an unbounded pool, then in
+    the budget the points that need it."""
+    base = base.with_scheduler_defaults()
+    budget = base.num_blocks
     unbounded_jobs, retried = [], {}  # retried: index of a point -> its replay in the budget
     for concurrency in concurrencies:
         batch = [requests[i % len(requests)] for i in range(concurrency)]
@@ -182,7 +195,7 @@ def frontier(base: Experiment, requests: Sequence[Request], concurrencies: Seque
         else:
             point_done(idx)
 
-    run_many(unbounded_jobs, on_unbounded)
+    yield unbounded_jobs, on_unbounded
     order = sorted(retried)
 
     def on_in_budget(k: int, result: RunResult) -> None:
@@ -191,8 +204,46 @@ def frontier(base: Experiment, requests: Sequence[Request], concurrencies: Seque
         point_done(idx)
 
     if order:
-        run_many([retried[idx] for idx in order], on_in_budget)
+        yield [retried[idx] for idx in order], on_in_budget
     return Frontier(budget, tuple(points), _max_feasible(points, variants), _ideal_max(base, requests, budget))
+
+
+# ---- steps: a computation that needs batches of replays, one after the other -------------------
+#
+# A generator that yields (jobs, on_done) for each batch it needs, on_done(index in the batch,
+# result) called as each job finishes, and returns its answer. `run_steps` runs one; `run_together`
+# runs several, one batch of all their next jobs at a time, so that computations that each need
+# a batch at a time (the audit's capacity searches: one probe after the other) share the
+# workers. Each computation sees the batches and results it would see run alone.
+
+
+def run_steps(steps: Steps[T], run_many: RunMany) -> T:
+    """The answer of `steps`, its batches run by `run_many` one after the other."""
+    return run_together([steps], run_many)[0]
+
+
+def run_together(computations: Sequence[Steps[T]], run_many: RunMany) -> list[T]:
+    """The answer of each of `computations`: at each round, the next batch of every one still
+    running goes to `run_many` as one batch."""
+    answers: list = [None] * len(computations)
+    waiting: dict[int, StepBatch] = {}
+
+    def advance(idx: int) -> None:
+        try:
+            waiting[idx] = next(computations[idx])
+        except StopIteration as stop:
+            answers[idx] = stop.value
+            waiting.pop(idx, None)
+
+    for idx in range(len(computations)):
+        advance(idx)
+    while waiting:
+        owners = [(on_done, k) for jobs, on_done in waiting.values() for k in range(len(jobs))]
+        jobs = [job for batch_jobs, _ in waiting.values() for job in batch_jobs]
+        run_many(jobs, lambda idx, result: owners[idx][0](owners[idx][1], result))
+        for idx in list(waiting):
+            advance(idx)
+    return answers
 
 
 def _num_prompt_blocks(batch: Sequence[Request], block_size: int) -> int:

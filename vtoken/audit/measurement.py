@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vtoken.analysis import frontier
+from vtoken.analysis import Steps, frontier_steps, run_steps, run_together
 from vtoken.audit.deployment import Deployment
 from vtoken.cache import RunCache
 from vtoken.engine import EvictionConfig, Experiment, Run
@@ -82,30 +82,38 @@ def measure(deployment: Deployment, requests: Sequence[Request], progress: Audit
     the workload's concurrency on the deployment's block budget; then search the capacity.
 
     The replays are independent: one batch on `runner` (local processes or Ray, vtoken.runners;
-    default: one after the other here, reporting progress as they generate). The capacity
-    searches bisect, one probe after the other, in this process. Every replay, probes included,
-    is read from `cache` when it holds it and written there when it does not (vtoken.cache)."""
+    default: one after the other here, reporting progress as they generate). Each capacity
+    search bisects, one probe after the other: native's first (its answer is every policy's
+    first guess), then every policy's naive-evict and vtoken searches, the policies side by side,
+    each round's probes one batch on `runner` (`analysis.run_together`); each search probes what
+    it would alone. Every replay, probes included, is read from `cache` when it holds it and
+    written there when it does not (vtoken.cache)."""
     tracker = _Tracker(progress, num_progress_units(deployment, requests))
     replayer = SimReplayer(runner=runner, cache=cache)
     concurrency = deployment.workload.concurrency
     base = experiment_of(deployment, deployment.policies[0])
     replayed = _replays(deployment, tuple(requests), tracker, replayer)
     native = replayed[None, "native"]
-    native_capacity = _capacity(base.run("native", concurrency), requests, deployment, None, replayer)
+    native_capacity = run_steps(_capacity(base.run("native", concurrency), requests, deployment, None), replayer.run_many)
     tracker.advance("capacity native", 1)
+    searches = [_policy_capacity(experiment_of(deployment, policy), concurrency, requests, deployment,
+                                 native_capacity.max_concurrency, tracker) for policy in deployment.policies]
     audits = []
-    for policy in deployment.policies:
-        experiment = experiment_of(deployment, policy)
-        runs = {"native": native}
-        capacity = {"native": native_capacity}
-        guess = native_capacity.max_concurrency
-        for variant in ("naive-evict", "vtoken"):
-            runs[variant] = replayed[policy, variant]
-            capacity[variant] = _capacity(experiment.run(variant, concurrency), requests, deployment, guess, replayer)
-            guess = capacity[variant].max_concurrency
-            tracker.advance(f"capacity {policy}", 1)
-        audits.append(_policy_audit(policy, runs, capacity, deployment))
+    for policy, capacity in zip(deployment.policies, run_together(searches, replayer.run_many)):
+        runs = {"native": native, **{variant: replayed[policy, variant] for variant in ("naive-evict", "vtoken")}}
+        audits.append(_policy_audit(policy, runs, {"native": native_capacity, **capacity}, deployment))
     return tuple(audits)
+
+
+def _policy_capacity(experiment: Experiment, concurrency: int, requests: Sequence[Request], deployment: Deployment,
+                     guess: int, tracker: _Tracker) -> Steps[dict[str, Capacity]]:
+    """One policy's capacity searches, naive-evict's then vtoken's, each guessing the last answer."""
+    capacity = {}
+    for variant in ("naive-evict", "vtoken"):
+        capacity[variant] = yield from _capacity(experiment.run(variant, concurrency), requests, deployment, guess)
+        guess = capacity[variant].max_concurrency
+        tracker.advance(f"capacity {experiment.eviction.policy}", 1)
+    return capacity
 
 
 def experiment_of(deployment: Deployment, policy: str) -> Experiment:
@@ -146,51 +154,45 @@ def _policy_audit(policy: str, runs: dict[str, RunResult], capacity: dict[str, C
 # ---- capacity: the largest concurrency that fits ------------------------------------------------
 
 
-def _capacity(run: Run, requests: Sequence[Request], deployment: Deployment, guess: int | None,
-              replayer: SimReplayer) -> Capacity:
+def _capacity(run: Run, requests: Sequence[Request], deployment: Deployment, guess: int | None) -> Steps[Capacity]:
     """Largest C <= frontier_max_concurrency with `analysis.frontier` feasible for this variant,
-    its probes replayed by `replayer`.
+    as steps: a probe's batches (`analysis.frontier_steps`), one probe after the other.
 
     `guess` (another variant's answer; the cap when None) is probed first.
     """
     cap = deployment.frontier_max_concurrency
-    is_feasible = _memoized(lambda c: frontier(run.experiment, requests, (c,), (run.spec.variant,),
-                                               run_many=replayer.run_many).points[0].is_feasible)
-    found = _largest_feasible(is_feasible, 0, cap + 1, cap if guess is None else guess)
+    feasible: dict[int, bool] = {}
+
+    def is_feasible(c: int) -> Steps[bool]:
+        if c not in feasible:
+            found = yield from frontier_steps(run.experiment, requests, (c,), (run.spec.variant,))
+            feasible[c] = found.points[0].is_feasible
+        return feasible[c]
+
+    found = yield from _largest_feasible(is_feasible, 0, cap + 1, cap if guess is None else guess)
     return Capacity(found, found == cap)
 
 
-def _largest_feasible(is_feasible: Callable[[int], bool], lo: int, hi: int, guess: int) -> int:
+def _largest_feasible(is_feasible: Callable[[int], Steps[bool]], lo: int, hi: int, guess: int) -> Steps[int]:
     """Largest c in [lo, hi) with is_feasible(c), given that lo is feasible (or 0), hi is not,
     and feasibility is monotone. Probes `guess`, gallops away from it, then bisects."""
     if hi - lo <= 1:
         return lo
     guess = min(max(guess, lo + 1), hi - 1)
-    if is_feasible(guess):
+    if (yield from is_feasible(guess)):
         lo, step = guess, 1
-        while lo + step < hi and is_feasible(lo + step):
+        while lo + step < hi and (yield from is_feasible(lo + step)):
             lo, step = lo + step, step * 2
         hi = min(hi, lo + step)
     else:
         hi, step = guess, 1
-        while hi - step > lo and not is_feasible(hi - step):
+        while hi - step > lo and not (yield from is_feasible(hi - step)):
             hi, step = hi - step, step * 2
         lo = max(lo, hi - step)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if is_feasible(mid):
+        if (yield from is_feasible(mid)):
             lo = mid
         else:
             hi = mid
     return lo
-
-
-def _memoized(func: Callable[[int], bool]) -> Callable[[int], bool]:
-    seen: dict[int, bool] = {}
-
-    def call(c: int) -> bool:
-        if c not in seen:
-            seen[c] = func(c)
-        return seen[c]
-
-    return call
