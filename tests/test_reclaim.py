@@ -16,7 +16,7 @@ from vtoken.invariants import check_plan, check_unique_mapping, plans_pass
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.planning import movable_block_ids, num_reclaimable_blocks, plan_hole_fill, plan_ordered
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, most_reclaimable_first, num_uncompacted_blocks
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, most_reclaimable_first
 from vtoken.kv.token_table import TokenTable
 
 S = 4
@@ -585,4 +585,4 @@ def test_uncompacted_blocks_are_the_logical_blocks_with_a_live_token_and_the_one
     if dead:
         table.evict_tokens(np.array(dead))
     logical = {i // block_size for i, is_live in enumerate(live) if is_live} | ({(len(live) - 1) // block_size} if live else set())
-    assert num_uncompacted_blocks(table) == len(logical)
+    assert table.num_uncompacted_blocks() == len(logical)

@@ -208,6 +208,15 @@ class SubstrateMachine(RuleBasedStateMachine):
             check_contents(table.req_id, token_ids, slots, mismatched, S)  # I1
 
     @invariant()
+    def the_layout_trigger_sees_every_block_over_the_uncompacted_layout(self) -> None:
+        busy = self.busy_req_ids()
+        for table in self.tables.values():
+            num_uncompacted = table.num_uncompacted_blocks()
+            assert table._uncompacted_floor <= num_uncompacted
+            if table.req_id not in busy:  # the runtime asks only a request without a copy in flight
+                assert table.num_blocks_over_uncompacted() == max(0, table.num_blocks - num_uncompacted)
+
+    @invariant()
     def pool_metrics_match_a_recount(self) -> None:
         allocated = self.pool.ref_counts > 0
         live = self.pool.live_counts[allocated]

@@ -32,7 +32,7 @@ from vtoken.invariants import check_plan, plans_pass
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.moves import RelocationPlan
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, num_uncompacted_blocks
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import MemorySample, ReclaimWork, Recorder, RunCounters, RunResult
 from vtoken.policies import make_policy
@@ -281,9 +281,7 @@ class Runtime:
         slots, because the open tail is written as far as the uncompacted layout's: a packed
         full tail leaves the new tail full (`TokenTable._drop_held`). Only an eviction that
         empties the open tail (a policy without a recent window) moves that cursor."""
-        if not table.num_tokens or table.num_blocks <= -(-table.num_live_tokens // table.block_size):
-            return  # no layout holds fewer blocks than its live tokens fill
-        num_excess = table.num_blocks - num_uncompacted_blocks(table)
+        num_excess = table.num_blocks_over_uncompacted()
         if num_excess > 0 and table.req_id not in self._busy_req_ids:
             self._reclaim(num_excess, [table], "layout")
 

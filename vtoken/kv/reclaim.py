@@ -46,10 +46,6 @@ RECLAIM_MODES = ("hole-fill", "ordered")
 # freed block); the plans past the budget wait for the next step.
 ROUND_PLANNING_SLACK = 2
 
-# block sizes whose live bits pack into one unsigned word (np.packbits: 8 bits a byte), for
-# num_uncompacted_blocks
-_BLOCK_BITS_WORD = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
-
 
 @dataclass(frozen=True)
 class ReclaimConfig:
@@ -280,21 +276,3 @@ def _src_blocks_to_free(mode: str, num_blocks: int, max_src_blocks: int) -> int:
     which depends on their fill, so it keeps the batch size B (the number of plans is bounded)."""
     return min(max_src_blocks, num_blocks) if mode == "hole-fill" else max_src_blocks
 
-
-def num_uncompacted_blocks(table: TokenTable) -> int:
-    """Blocks the request would hold had nothing ever been moved (naive-evict's layout): every
-    logical block of S token ids with a live token, and the one being written.
-
-        token ids:  [0..S) [S..2S) [2S..3S) [3S..4S)      live ids 1, 2S+3, 3S+1 (writing)
-        held:        yes    no      yes      yes           -> 3 blocks
-    """
-    if not table.num_tokens:
-        return 0
-    block_size = table.block_size
-    num_before_writing = (table.num_tokens - 1) // block_size  # the block being written counts, live or not
-    live = table.live_mask[: num_before_writing * block_size]
-    word = _BLOCK_BITS_WORD.get(block_size)
-    if word is None:
-        return int(np.count_nonzero(live.reshape(num_before_writing, block_size).any(axis=1))) + 1
-    # a block's live bits packed into one unsigned word: nonzero when any of them is set
-    return int(np.count_nonzero(np.packbits(live).view(word))) + 1

@@ -46,6 +46,7 @@ class EvictionVerbs:
         self._token_at[slots] = -1
         self._live[token_ids] = False
         self._num_dead += token_ids.size
+        self._uncompacted_floor -= token_ids.size
         self._cache.is_valid = False
         self.layout_version += 1
         return emptied
@@ -110,6 +111,7 @@ class EvictionVerbs:
             self._cache.remove_later(token_id)
         self._live[token_id] = False
         self._num_dead += 1
+        self._uncompacted_floor -= 1
         self.layout_version += 1
 
     def _check_evictable(self, token_ids: np.ndarray) -> None:

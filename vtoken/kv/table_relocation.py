@@ -31,6 +31,7 @@ class RelocationVerbs:
         if block_ids.size == 0:
             return
         self.flush()
+        self._was_moved = True  # the destinations are held before the moves land
         held = self._held[: self._num_held]
         tail = held[-1:].copy()
         tail_slot, cursor = self._tail_slot, self.tail_num_written
@@ -113,6 +114,7 @@ class RelocationVerbs:
         if has_live:
             self._cache.is_valid = False
         self._slot[token_ids] = dst_slots
+        self._was_moved = True
         self.layout_version += 1
 
     def _check_moves(self, moves: Moves) -> None:
@@ -226,6 +228,7 @@ class RelocationVerbs:
         self._live[: self.num_tokens] = False
         self._num_dead = self.num_tokens
         self._cache.is_valid = False
+        self._was_moved, self._uncompacted_floor = False, 0
         self.num_pinned_tokens = 0  # nothing held, nothing pinned
         self.tail_num_written = 0
         self._tail_slot = 0

@@ -55,6 +55,10 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         self.tail_num_written = 0
         self._tail_slot = 0  # slot of offset 0 of the tail block
         self.layout_version = 0  # bumped by every change a relocation plan could depend on
+        # for `num_blocks_over_uncompacted`: whether a token was moved (or a destination adopted)
+        # since the table was last empty, and a lower bound of `num_uncompacted_blocks()`
+        self._was_moved = False
+        self._uncompacted_floor = 0
         capacity = max(capacity, 1)
         self._slot = np.zeros(capacity, dtype=np.int64)  # block_id * S + offset, stale for dead tokens
         self._live = np.ones(capacity, dtype=bool)  # True past num_tokens, so appending need not write it
@@ -151,6 +155,45 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
             num_blocks -= 1
             num_live -= self.tail_num_written
         return num_blocks - -(-num_live // block_size)
+
+    def num_uncompacted_blocks(self) -> int:
+        """Blocks the request would hold had nothing ever been moved (naive-evict's layout):
+        every logical block of S token ids with a live token, and the one being written.
+
+            token ids:  [0..S) [S..2S) [2S..3S) [3S..4S)      live ids 1, 2S+3, 3S+1 (writing)
+            held:        yes    no      yes      yes           -> 3 blocks
+        """
+        if not self.num_tokens:
+            return 0
+        block_size = self.block_size
+        num_before_writing = (self.num_tokens - 1) // block_size  # the block being written counts, live or not
+        live = self._live[: num_before_writing * block_size]
+        word = _BLOCK_BITS_WORD.get(block_size)
+        if word is None:
+            return int(np.count_nonzero(live.reshape(num_before_writing, block_size).any(axis=1))) + 1
+        # a block's live bits packed into one unsigned word: nonzero when any of them is set
+        return int(np.count_nonzero(np.packbits(live).view(word))) + 1
+
+    def num_blocks_over_uncompacted(self) -> int:
+        """max(0, num_blocks - num_uncompacted_blocks()): the blocks this request holds beyond
+        what it would hold had nothing ever been moved, which the runtime's `layout` trigger
+        packs away after an eviction. Counted only when it can be above 0 (the count reads
+        every live bit):
+
+        - a table none of whose tokens was moved holds its tokens where the uncompacted layout
+          does, less the blocks it released, so no more blocks than that layout (a request with a
+          copy in flight, whose emptied blocks wait for the landing, is not asked);
+        - the uncompacted count never falls under an append (a new block being written replaces
+          the last one in the count) or a move, and falls by at most one block per token evicted:
+          the last count less the tokens evicted since is a lower bound, and holding no more
+          blocks than that bound leaves nothing over it.
+        """
+        if not self._was_moved or self._num_held <= self._uncompacted_floor:
+            return 0
+        if self._num_held <= -(-self.num_live_tokens // self.block_size):
+            return 0  # no layout holds fewer blocks than its live tokens fill
+        num_uncompacted = self._uncompacted_floor = self.num_uncompacted_blocks()
+        return max(0, self._num_held - num_uncompacted)
 
     def num_free_tail_slots(self) -> int:
         return self.block_size - self.tail_num_written if self._num_held else 0
@@ -325,6 +368,11 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         grown_live = np.ones(new_capacity, dtype=bool)
         grown_live[: self._live.size] = self._live
         self._slot, self._live, self._capacity = grown_slot, grown_live, new_capacity
+
+
+# block sizes whose live bits pack into one unsigned word (np.packbits: 8 bits a byte), for
+# num_uncompacted_blocks
+_BLOCK_BITS_WORD = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
