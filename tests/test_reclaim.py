@@ -586,3 +586,20 @@ def test_uncompacted_blocks_are_the_logical_blocks_with_a_live_token_and_the_one
         table.evict_tokens(np.array(dead))
     logical = {i // block_size for i, is_live in enumerate(live) if is_live} | ({(len(live) - 1) // block_size} if live else set())
     assert table.num_uncompacted_blocks() == len(logical)
+
+
+def test_a_dropped_open_tail_leaves_tokens_off_their_uncompacted_positions() -> None:
+    """No token is moved, but an eviction that empties the open tail hands the cursor back to
+    the block before it: the next tokens open a fresh block at token 5, not at 8, so a block can
+    keep a live token (8) where the uncompacted layout's block (4..7) died whole."""
+    pool = BlockPool(8, S)
+    table = TokenTable(0, pool)
+    table.sync_new_tokens(pool.allocate(2), 5)  # [0 1 2 3] [4 . . .]
+    emptied = table.evict_tokens(np.array([4]))  # the open tail empties and goes
+    table.release_blocks(emptied)
+    pool.free(emptied)
+    for num_tokens in range(6, 17):  # [0 1 2 3] [5 6 7 8] [9 10 11 12] [13 14 15 .]
+        table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(1)), num_tokens)
+    table.evict_tokens(np.array([5, 6, 7]))  # logical block 4..7 is dead; [x x x 8] is not
+    assert (table.num_blocks, table.num_uncompacted_blocks()) == (4, 3)
+    assert table.num_blocks_over_uncompacted() == 1

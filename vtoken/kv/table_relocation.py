@@ -31,7 +31,7 @@ class RelocationVerbs:
         if block_ids.size == 0:
             return
         self.flush()
-        self._was_moved = True  # the destinations are held before the moves land
+        self._off_logical_layout = True  # the destinations are held before the moves land
         held = self._held[: self._num_held]
         tail = held[-1:].copy()
         tail_slot, cursor = self._tail_slot, self.tail_num_written
@@ -114,7 +114,7 @@ class RelocationVerbs:
         if has_live:
             self._cache.is_valid = False
         self._slot[token_ids] = dst_slots
-        self._was_moved = True
+        self._off_logical_layout = True
         self.layout_version += 1
 
     def _check_moves(self, moves: Moves) -> None:
@@ -194,6 +194,7 @@ class RelocationVerbs:
         if is_dropped[-1]:
             self._tail_slot = int(self._held[self._num_held - 1]) * self.block_size if self._num_held else 0
             self.tail_num_written = self.block_size if was_full and self._num_held else self._cursor_after_last_live()
+            self._off_logical_layout |= not was_full  # the next tokens go where the cursor was handed back
         self.layout_version += 1
 
     def set_tail_cursor(self, num_written: int) -> None:
@@ -206,6 +207,7 @@ class RelocationVerbs:
         if (self._token_at[self._tail_slot + num_written : self._tail_slot + self.block_size] >= 0).any():
             raise VTokenError(f"request {self.req_id}: a live token sits at or past tail offset {num_written}")
         self.tail_num_written = num_written
+        self._off_logical_layout = True
         self.layout_version += 1
 
     def live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
@@ -228,7 +230,7 @@ class RelocationVerbs:
         self._live[: self.num_tokens] = False
         self._num_dead = self.num_tokens
         self._cache.is_valid = False
-        self._was_moved, self._uncompacted_floor = False, 0
+        self._off_logical_layout, self._uncompacted_floor = False, 0
         self.num_pinned_tokens = 0  # nothing held, nothing pinned
         self.tail_num_written = 0
         self._tail_slot = 0

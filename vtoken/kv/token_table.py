@@ -55,9 +55,10 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         self.tail_num_written = 0
         self._tail_slot = 0  # slot of offset 0 of the tail block
         self.layout_version = 0  # bumped by every change a relocation plan could depend on
-        # for `num_blocks_over_uncompacted`: whether a token was moved (or a destination adopted)
-        # since the table was last empty, and a lower bound of `num_uncompacted_blocks()`
-        self._was_moved = False
+        # for `num_blocks_over_uncompacted`: whether a token may sit off its uncompacted position
+        # (a token was moved, a destination adopted, or the tail cursor set back) since the table
+        # was last empty, and a lower bound of `num_uncompacted_blocks()`
+        self._off_logical_layout = False
         self._uncompacted_floor = 0
         capacity = max(capacity, 1)
         self._slot = np.zeros(capacity, dtype=np.int64)  # block_id * S + offset, stale for dead tokens
@@ -180,15 +181,18 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         packs away after an eviction. Counted only when it can be above 0 (the count reads
         every live bit):
 
-        - a table none of whose tokens was moved holds its tokens where the uncompacted layout
-          does, less the blocks it released, so no more blocks than that layout (a request with a
-          copy in flight, whose emptied blocks wait for the landing, is not asked);
+        - a table whose tokens all sit where the uncompacted layout puts them (none was moved,
+          no destination adopted, and its tail cursor was never set back: a new block opens at
+          every S-th token) holds that layout's blocks less those it released, so no more (a
+          request with a copy in flight, whose emptied blocks wait for the landing, is not
+          asked). Dropping an open tail that an eviction emptied hands the cursor back to the
+          block before it, and the tokens after it land off their positions;
         - the uncompacted count never falls under an append (a new block being written replaces
           the last one in the count) or a move, and falls by at most one block per token evicted:
           the last count less the tokens evicted since is a lower bound, and holding no more
           blocks than that bound leaves nothing over it.
         """
-        if not self._was_moved or self._num_held <= self._uncompacted_floor:
+        if not self._off_logical_layout or self._num_held <= self._uncompacted_floor:
             return 0
         if self._num_held <= -(-self.num_live_tokens // self.block_size):
             return 0  # no layout holds fewer blocks than its live tokens fill
