@@ -23,6 +23,7 @@ from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
 from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
+from vtoken.kv.token_arena import TokenArena
 from vtoken.kv.token_table import TokenTable
 
 S = 4
@@ -43,6 +44,7 @@ class SubstrateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool = BlockPool(NUM_BLOCKS, S)
+        self.pool.token_arena = TokenArena(16)  # small: the tables' ranges move often
         self.kv_cache = PagedKVCache(SHAPE, dtype=torch.float64)
         self.engine = CopyEngine(self.kv_cache, "deferred")
         self.tables: dict[int, TokenTable] = {}

@@ -298,6 +298,7 @@ def test_evict_one_each_equals_one_evict_tokens_per_table() -> None:
 
 @pytest.mark.parametrize(("victims", "message"), [
     ([3, 10], "request 1: cannot evict unknown token 10"),
+    ([3, -1], "request 1: cannot evict unknown token -1"),
     ([3, 6], "request 1: token 6 is already evicted"),
     ([3, 1], "request 1: token 1 is in the shared prefix"),
 ])

@@ -23,6 +23,7 @@ import numpy as np
 
 from vtoken.errors import ConfigError, VTokenError
 from vtoken.kv.arrays import block_slots, count_by_block, is_distinct
+from vtoken.kv.token_arena import TokenArena
 
 NUM_HISTOGRAM_BINS = 10
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
@@ -49,6 +50,7 @@ class BlockPool:
         # table's decode step appends to both lists itself
         self.pending_slots: list[int] = []
         self.pending_token_ids: list[int] = []
+        self.token_arena = TokenArena()  # the per-token arrays of this pool's tables (token_arena.py)
         self._histogram: list[int] = [0] * NUM_HISTOGRAM_BINS + [num_blocks]  # a list: scalar updates are cheap
         # per live count c: the histogram bin of a block holding c (by u = c / S; bin 10 holds the
         # free blocks and is never reported) and whether c <= S/2, as lists for the scalar path

@@ -54,8 +54,10 @@ class EvictionVerbs:
     @staticmethod
     def evict_one_each(tables: Sequence[TokenTable], token_ids: np.ndarray) -> np.ndarray:
         """`evict_tokens` of `token_ids[i]` in `tables[i]`, one token per table (distinct tables
-        of one pool, as a decode step's evictions across the batch), with the pool's live counts
-        and reverse map updated once for all of them instead of once per table.
+        of one pool, as a decode step's evictions across the batch): the tokens' live bits and
+        slots are read and written in the pool's arena with one gather and one scatter for all
+        of them (token_arena.py), the pool's live counts and reverse map once for all of them;
+        per table, only its counters are bumped.
 
         Returns [len(tables)] int64: the block each eviction emptied, -1 where none (the caller
         releases it with that table's `release_blocks` and frees them all in one call). Raises,
@@ -68,11 +70,20 @@ class EvictionVerbs:
         pool = tables[0].pool
         if len({id(table) for table in tables}) != len(tables) or any(table.pool is not pool for table in tables):
             raise VTokenError("evict_one_each needs distinct tables of one pool")
-        ids = np.asarray(token_ids, dtype=np.int64).tolist()
-        slots = [table.evictable_slot(token_id) for table, token_id in zip(tables, ids)]  # checks all first
-        for table, token_id, slot in zip(tables, ids, slots):
-            table.mark_dead(token_id, slot)
-        slot_array = np.array(slots, dtype=np.int64)
+        ids = np.asarray(token_ids, dtype=np.int64)
+        num_tables = len(tables)
+        lengths = np.fromiter([table.num_tokens for table in tables], np.int64, num_tables)
+        num_pinned = np.fromiter([table.num_pinned_tokens for table in tables], np.int64, num_tables)
+        at = np.fromiter([table._base for table in tables], np.int64, num_tables) + ids  # in the arena
+        arena = pool.token_arena
+        if not (((ids >= num_pinned) & (ids < lengths)).all() and arena.live[at].all()):
+            for table, token_id in zip(tables, ids.tolist()):
+                table.evictable_slot(token_id)  # raises the first table's error
+        tables[0].flush()  # the blocks' counts must be whole before they can tell whether they emptied
+        slot_array = arena.slot[at]
+        arena.live[at] = False
+        for table, token_id in zip(tables, ids.tolist()):  # what stays per table: its counters and slot list
+            table._count_dead(token_id)
         tables[0]._token_at[slot_array] = -1  # the pool's reverse map, shared by its tables
         block_ids = slot_array // pool.block_size
         emptied = pool.remove_live_tokens_in(block_ids)
@@ -83,7 +94,9 @@ class EvictionVerbs:
     def _evict_one(self, token_id: int) -> np.ndarray:
         """`evict_tokens` of a single id, with scalars only (same checks, same result)."""
         slot = self.evictable_slot(token_id)
-        self.mark_dead(token_id, slot)
+        self.flush()  # the block's count must be whole before it can tell whether it emptied
+        self._live[token_id] = False
+        self._count_dead(token_id)
         self._token_at[slot] = -1
         block_id = slot // self.block_size
         if self.pool.remove_live_token(block_id):
@@ -92,7 +105,7 @@ class EvictionVerbs:
 
     def evictable_slot(self, token_id: int) -> int:
         """The slot of `token_id`; raises VTokenError unless it is a live token outside the
-        pinned prefix. Changes nothing: the first half of one eviction (`mark_dead` the second)."""
+        pinned prefix. Changes nothing."""
         if not 0 <= token_id < self.num_tokens:
             raise VTokenError(f"request {self.req_id}: cannot evict unknown token {token_id} (length {self.num_tokens})")
         if not self._live.item(token_id):
@@ -101,15 +114,11 @@ class EvictionVerbs:
             raise VTokenError(f"request {self.req_id}: token {token_id} is in the shared prefix and cannot be evicted")
         return self._slot.item(token_id)
 
-    def mark_dead(self, token_id: int, slot: int) -> None:
-        """The table's half of evicting `token_id` at `slot` (from `evictable_slot`): its live
-        bit, slot list and counts. The pool's half, its reverse-map entry and its block's live
-        count, is the caller's: `evict_tokens` and `evict_one_each` do it at once after, and
-        nothing else may call this."""
-        self.flush()  # the block's count must be whole before it can tell whether it emptied
+    def _count_dead(self, token_id: int) -> None:
+        """The table's counters and slot list once `token_id`, live until now, died (its live bit
+        is the caller's: `_evict_one` clears it, `evict_one_each` every table's at once)."""
         if self._cache.is_valid:  # the slot list's reader drops the entry when it next reads
             self._cache.remove_later(token_id)
-        self._live[token_id] = False
         self._num_dead += 1
         self._uncompacted_floor -= 1
         self.layout_version += 1

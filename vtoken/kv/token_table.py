@@ -3,7 +3,9 @@
 Logical ids are 0..L-1 in arrival order and equal the token's rotary position, which never
 changes. The table owns the mapping; the block pool owns block state (ref counts, live counts,
 and `token_at`, the reverse map slot -> logical id of the live token stored there). Memory is
-O(L) numpy arrays, grown by doubling; there is no Python object per token.
+O(L) numpy arrays, grown by doubling; there is no Python object per token. The per-token arrays
+(slot and live bit) are views of the table's range in the pool's arena (token_arena.py), so
+that one call can read and write many tables' tokens at once (`evict_one_each`).
 
 A request holds an ordered list of blocks; the last one is the *tail*, where new tokens are
 appended at `tail_num_written`. Holes are dead slots anywhere before the cursor:
@@ -60,10 +62,13 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         # was last empty, and a lower bound of `num_uncompacted_blocks()`
         self._off_logical_layout = False
         self._uncompacted_floor = 0
-        capacity = max(capacity, 1)
-        self._slot = np.zeros(capacity, dtype=np.int64)  # block_id * S + offset, stale for dead tokens
-        self._live = np.ones(capacity, dtype=bool)  # True past num_tokens, so appending need not write it
-        self._capacity = capacity  # _slot.size for the decode step: reading ndarray.size there costs ~5% of it
+        # per logical token, views of this table's range of the pool's arena (token_arena.py):
+        # _slot, block_id * S + offset, stale for dead tokens; _live, True past num_tokens, so
+        # appending need not write it. _capacity is _slot.size for the decode step: reading
+        # ndarray.size there costs ~5% of it
+        self._capacity = max(capacity, 1)
+        self._arena = pool.token_arena
+        self.use_range(self._arena.take(self, self._capacity), self._arena.slot, self._arena.live)
         self._held = np.zeros(16, dtype=np.int64)
         self._num_held = 0
         self._cache = SlotCache()  # the slot list once a token is dead
@@ -364,14 +369,25 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         self.tail_num_written = 0
 
     def _reserve(self, capacity: int) -> None:
-        if capacity <= self._slot.size:
+        """Room for `capacity` tokens: a range twice as large (at least) in the arena, the
+        current one copied into it."""
+        if capacity <= self._capacity:
             return
-        new_capacity = max(capacity, 2 * self._slot.size)
-        grown_slot = np.zeros(new_capacity, dtype=np.int64)
-        grown_slot[: self._slot.size] = self._slot
-        grown_live = np.ones(new_capacity, dtype=bool)
-        grown_live[: self._live.size] = self._live
-        self._slot, self._live, self._capacity = grown_slot, grown_live, new_capacity
+        new_capacity = max(capacity, 2 * self._capacity)
+        arena = self._arena
+        base = arena.take(self, new_capacity)  # may move the current range: read it after
+        old_slot, old_live, old_capacity = self._slot, self._live, self._capacity
+        self._capacity = new_capacity
+        self.use_range(base, arena.slot, arena.live)
+        self._slot[:old_capacity] = old_slot
+        self._live[:old_capacity] = old_live
+
+    def use_range(self, base: int, slot: np.ndarray, live: np.ndarray) -> None:
+        """Point this table's per-token views at `_capacity` entries from `base` of the
+        arena's arrays (the arena calls it when it moves the range)."""
+        self._base = base
+        self._slot = slot[base : base + self._capacity]
+        self._live = live[base : base + self._capacity]
 
 
 # block sizes whose live bits pack into one unsigned word (np.packbits: 8 bits a byte), for
