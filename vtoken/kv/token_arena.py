@@ -11,8 +11,8 @@ A table takes a range when it is made and a larger one when it outgrows it (by d
 before); a range is never handed out twice. Ranges of finished tables, and the old ranges of
 tables that grew, are reclaimed when the arena runs out of room: the tables still alive are
 copied to the front of fresh arrays, twice as large as what they and the new range need, and
-their views repointed. A view a caller kept from before that still reads the table's values as
-they were (views are valid until the table next changes, token_table.py).
+their views repointed. A view a caller kept from before the move still reads the table's values
+as they were then (views are valid until the table next changes, token_table.py).
 
 Fresh entries are 0 (slot) and True (live): a table's live bits are True past its length, so
 that appending a token need not write its bit.
@@ -27,6 +27,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from vtoken.kv.token_table import TokenTable
+
 
 class TokenArena:
     def __init__(self, num_entries: int = 4096) -> None:
