@@ -27,7 +27,8 @@ caches need to fill again after another variant's turn.
 The runtime's step is schedule, execute and postprocess. Inside them, an eviction event,
 `_evict`, is the policy's decision (`decide`, of which `scores` is the sim's synthetic attention
 for the policies that rank by it), the table's and the pool's side (`evict_tokens`) and, in
-vtoken, the layout trigger's check (`layout`); a reclamation round, `_reclaim` (which the
+vtoken, the layout trigger's check (`layout`, of which `count` is the count of the request's
+uncompacted blocks, made only where the request can hold more); a reclamation round, `_reclaim` (which the
 schedule's pressure packing and the layout trigger call too), is planning (`plans`), the
 round's I4 check (`plans_pass`) and, the copies done, landing the moves and freeing the sources
 (`landing`). Every variant counts a step's appends in the pool at the pool's first read after
@@ -70,6 +71,7 @@ PHASES = (
     ("scores", SimExecutor, "attention_stats"),
     ("evict_tokens", TokenTable, "evict_tokens"),
     ("layout", Runtime, "_repack_if_worse_than_uncompacted"),
+    ("count", TokenTable, "num_uncompacted_blocks"),
     ("_reclaim", Runtime, "_reclaim"),
     ("plans", Reclaimer, "_plans"),
     ("plans_pass", runtime_module, "plans_pass"),

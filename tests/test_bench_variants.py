@@ -36,6 +36,7 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
         assert ("native", phase) not in phases and phases[("naive-evict", phase)] == phases[("vtoken", phase)] > 0
     assert 0 < phases[("naive-evict", "evict_tokens")] == phases[("vtoken", "evict_tokens")] <= phases[("vtoken", "_evict")]
     assert phases[("vtoken", "layout")] == phases[("vtoken", "evict_tokens")] and ("naive-evict", "layout") not in phases
+    assert ("naive-evict", "count") not in phases  # the layout trigger's count is vtoken's alone
     for phase in ("_reclaim", "plans", "plans_pass"):
         assert ("naive-evict", phase) not in phases and phases[("vtoken", phase)] > 0
 

@@ -89,10 +89,12 @@ def test_a_process_runner_keeps_its_workers_from_one_batch_to_the_next() -> None
     assert not workers & {child.pid for child in multiprocessing.active_children()}  # closed: they are gone
 
 
-def test_a_batch_that_raises_leaves_the_runner_usable() -> None:
+def test_a_batch_that_raises_ends_its_workers_and_the_next_batch_starts_fresh_ones() -> None:
     with ProcessRunner(2) as runner:
+        workers = set(runner.map(worker_pid, [0, 1, 2, 3]))
         with pytest.raises(ValueError, match="job 2 failed"):
             runner.map(fails_on_two, [1, 2, 3])
+        assert not workers & {child.pid for child in multiprocessing.active_children()}  # ended
         assert runner.map(fails_on_two, [1, 3, 4]) == [1, 9, 16]
 
 

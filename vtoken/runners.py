@@ -139,9 +139,10 @@ class ProcessRunner(_Closing):
     most `workers`), and kept for the batches after it: a command's stages (compare's replays,
     then the frontier's two batches; the audit's capacity probes) are several batches, and a
     fresh pool per batch would spawn its workers, which import vtoken, and the token reports'
-    manager process again each time (about a second). `close()` (or leaving a `with` block) ends them; so does the end of this process. A batch
-    that raises (a job failed, or Ctrl-C) ends them too, its pending jobs cancelled: the next
-    batch starts fresh ones."""
+    manager process again each time (about a second). `close()` (or leaving a `with` block)
+    ends them; so does the end of this process. A batch that raises (a job failed, or Ctrl-C)
+    ends them too, its pending jobs cancelled: the next batch starts fresh ones, and no token
+    report of the failed batch reaches it."""
 
     name = "processes"
 

@@ -18,7 +18,7 @@ Eviction only clears live bits. Relocation (`apply_moves`) repoints live tokens 
 slots; the reclaimer decides the moves, the copy engine moves the data first. This module holds
 the state, its read-only views and growth (the decode step's path); the verbs that take tokens
 away are mixins with the same state: eviction in table_eviction.py, relocation and release in
-table_relocation.py.
+table_relocation.py; the layout counts the reclaimer reads in table_layout.py.
 
 Cost model. A decode step appends one token with Python integers and one array store: the
 pool's total live count is bumped at once, the tail block's count and the reverse map catch up
@@ -42,10 +42,11 @@ from vtoken.kv.arrays import block_slots, is_distinct, positions_in, sum_by_bloc
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.slot_cache import SlotCache
 from vtoken.kv.table_eviction import EvictionVerbs
+from vtoken.kv.table_layout import LayoutCounts
 from vtoken.kv.table_relocation import RelocationVerbs
 
 
-class TokenTable(EvictionVerbs, RelocationVerbs):
+class TokenTable(EvictionVerbs, RelocationVerbs, LayoutCounts):
     def __init__(self, req_id: int, pool: BlockPool, capacity: int = 64) -> None:
         self.req_id = req_id
         self.pool = pool
@@ -57,9 +58,9 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         self.tail_num_written = 0
         self._tail_slot = 0  # slot of offset 0 of the tail block
         self.layout_version = 0  # bumped by every change a relocation plan could depend on
-        # for `num_blocks_over_uncompacted`: whether a token may sit off its uncompacted position
-        # (a token was moved, a destination adopted, or the tail cursor set back) since the table
-        # was last empty, and a lower bound of `num_uncompacted_blocks()`
+        # for `num_blocks_over_uncompacted` (table_layout.py): whether a token may sit off its
+        # uncompacted position (a token was moved, a destination adopted, or the tail cursor set
+        # back) since the table was last empty, and a lower bound of `num_uncompacted_blocks()`
         self._off_logical_layout = False
         self._uncompacted_floor = 0
         # per logical token, views of this table's range of the pool's arena (token_arena.py):
@@ -147,62 +148,6 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
     def _rebuild_slot_cache(self) -> None:
         live_slots = self._slot[: self.num_tokens][self._live[: self.num_tokens]]
         self._cache.reset(live_slots.size)[:] = live_slots
-
-    def max_reclaimable_blocks(self) -> int:
-        """An upper bound, in O(1), of the blocks a perfect packing of the relocatable live
-        tokens would give back: the held blocks past the pinned prefix but the open tail, as if
-        none were shared, with at most the cursor's count of live tokens taken out for the
-        tail. A bound, because leaving out a block with at most S live tokens never raises the
-        count, nor does counting fewer live tokens (the reclaimer's cheap pre-filter)."""
-        block_size, num_pinned = self.block_size, self.num_pinned_tokens
-        num_blocks = self._num_held - num_pinned // block_size
-        num_live = self.num_tokens - self._num_dead - num_pinned
-        if num_blocks > 0 and self.tail_num_written < block_size:
-            num_blocks -= 1
-            num_live -= self.tail_num_written
-        return num_blocks - -(-num_live // block_size)
-
-    def num_uncompacted_blocks(self) -> int:
-        """Blocks the request would hold had nothing ever been moved (naive-evict's layout):
-        every logical block of S token ids with a live token, and the one being written.
-
-            token ids:  [0..S) [S..2S) [2S..3S) [3S..4S)      live ids 1, 2S+3, 3S+1 (writing)
-            held:        yes    no      yes      yes           -> 3 blocks
-        """
-        if not self.num_tokens:
-            return 0
-        block_size = self.block_size
-        num_before_writing = (self.num_tokens - 1) // block_size  # the block being written counts, live or not
-        live = self._live[: num_before_writing * block_size]
-        word = _BLOCK_BITS_WORD.get(block_size)
-        if word is None:
-            return int(np.count_nonzero(live.reshape(num_before_writing, block_size).any(axis=1))) + 1
-        # a block's live bits packed into one unsigned word: nonzero when any of them is set
-        return int(np.count_nonzero(np.packbits(live).view(word))) + 1
-
-    def num_blocks_over_uncompacted(self) -> int:
-        """max(0, num_blocks - num_uncompacted_blocks()): the blocks this request holds beyond
-        what it would hold had nothing ever been moved, which the runtime's `layout` trigger
-        packs away after an eviction. Counted only when it can be above 0 (the count reads
-        every live bit):
-
-        - a table whose tokens all sit where the uncompacted layout puts them (none was moved,
-          no destination adopted, and its tail cursor was never set back: a new block opens at
-          every S-th token) holds that layout's blocks less those it released, so no more (a
-          request with a copy in flight, whose emptied blocks wait for the landing, is not
-          asked). Dropping an open tail that an eviction emptied hands the cursor back to the
-          block before it, and the tokens after it land off their positions;
-        - the uncompacted count never falls under an append (a new block being written replaces
-          the last one in the count) or a move, and falls by at most one block per token evicted:
-          the last count less the tokens evicted since is a lower bound, and holding no more
-          blocks than that bound leaves nothing over it.
-        """
-        if not self._off_logical_layout or self._num_held <= self._uncompacted_floor:
-            return 0
-        if self._num_held <= -(-self.num_live_tokens // self.block_size):
-            return 0  # no layout holds fewer blocks than its live tokens fill
-        num_uncompacted = self._uncompacted_floor = self.num_uncompacted_blocks()
-        return max(0, self._num_held - num_uncompacted)
 
     def num_free_tail_slots(self) -> int:
         return self.block_size - self.tail_num_written if self._num_held else 0
@@ -388,11 +333,6 @@ class TokenTable(EvictionVerbs, RelocationVerbs):
         self._base = base
         self._slot = slot[base : base + self._capacity]
         self._live = live[base : base + self._capacity]
-
-
-# block sizes whose live bits pack into one unsigned word (np.packbits: 8 bits a byte), for
-# num_uncompacted_blocks
-_BLOCK_BITS_WORD = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

@@ -1,0 +1,76 @@
+"""What the reclaimer and the runtime's layout trigger read of a token table's layout: how many
+blocks a packing could give back (the O(1) bound), how many its uncompacted layout would hold,
+and how many it holds beyond that.
+
+A mixin of `TokenTable` (token_table.py owns the state these methods read: the held blocks, the
+live bits, and for `num_blocks_over_uncompacted` a flag and a bound that the eviction and
+relocation verbs keep). Nothing here changes the mapping.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# block sizes whose live bits pack into one unsigned word (np.packbits: 8 bits a byte), for
+# num_uncompacted_blocks
+_BLOCK_BITS_WORD = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+
+
+class LayoutCounts:
+    """`TokenTable`'s layout counts (state in token_table.py)."""
+
+    def max_reclaimable_blocks(self) -> int:
+        """An upper bound, in O(1), of the blocks a perfect packing of the relocatable live
+        tokens would give back: the held blocks past the pinned prefix but the open tail, as if
+        none were shared, with at most the cursor's count of live tokens taken out for the
+        tail. A bound, because leaving out a block with at most S live tokens never raises the
+        count, nor does counting fewer live tokens (the reclaimer's cheap pre-filter)."""
+        block_size, num_pinned = self.block_size, self.num_pinned_tokens
+        num_blocks = self._num_held - num_pinned // block_size
+        num_live = self.num_tokens - self._num_dead - num_pinned
+        if num_blocks > 0 and self.tail_num_written < block_size:
+            num_blocks -= 1
+            num_live -= self.tail_num_written
+        return num_blocks - -(-num_live // block_size)
+
+    def num_uncompacted_blocks(self) -> int:
+        """Blocks the request would hold had nothing ever been moved (naive-evict's layout):
+        every logical block of S token ids with a live token, and the one being written.
+
+            token ids:  [0..S) [S..2S) [2S..3S) [3S..4S)      live ids 1, 2S+3, 3S+1 (writing)
+            held:        yes    no      yes      yes           -> 3 blocks
+        """
+        if not self.num_tokens:
+            return 0
+        block_size = self.block_size
+        num_before_writing = (self.num_tokens - 1) // block_size  # the block being written counts, live or not
+        live = self._live[: num_before_writing * block_size]
+        word = _BLOCK_BITS_WORD.get(block_size)
+        if word is None:
+            return int(np.count_nonzero(live.reshape(num_before_writing, block_size).any(axis=1))) + 1
+        # a block's live bits packed into one unsigned word: nonzero when any of them is set
+        return int(np.count_nonzero(np.packbits(live).view(word))) + 1
+
+    def num_blocks_over_uncompacted(self) -> int:
+        """max(0, num_blocks - num_uncompacted_blocks()): the blocks this request holds beyond
+        what it would hold had nothing ever been moved, which the runtime's `layout` trigger
+        packs away after an eviction. Counted only when it can be above 0 (the count reads
+        every live bit):
+
+        - a table whose tokens all sit where the uncompacted layout puts them (none was moved,
+          no destination adopted, and its tail cursor was never set back: a new block opens at
+          every S-th token) holds that layout's blocks less those it released, so no more (a
+          request with a copy in flight, whose emptied blocks wait for the landing, is not
+          asked). Dropping an open tail that an eviction emptied hands the cursor back to the
+          block before it, and the tokens after it land off their positions;
+        - the uncompacted count never falls under an append (a new block being written replaces
+          the last one in the count) or a move, and falls by at most one block per token evicted:
+          the last count less the tokens evicted since is a lower bound, and holding no more
+          blocks than that bound leaves nothing over it.
+        """
+        if not self._off_logical_layout or self._num_held <= self._uncompacted_floor:
+            return 0
+        if self._num_held <= -(-self.num_live_tokens // self.block_size):
+            return 0  # no layout holds fewer blocks than its live tokens fill
+        num_uncompacted = self._uncompacted_floor = self.num_uncompacted_blocks()
+        return max(0, self._num_held - num_uncompacted)
