@@ -468,6 +468,27 @@ def test_apply_moves_each_skips_the_check_only_for_a_table_still_at_its_checked_
     assert checked == [1]  # the first was checked at its version: not again
 
 
+@pytest.mark.parametrize(("evicted_in_flight", "first_live_counts"), [([8], [3, 4, 2]), ([8, 9], [2, 4, 2])])
+def test_apply_moves_each_repoints_the_tokens_evicted_in_flight_of_one_table_as_apply_moves_does(
+        evicted_in_flight: list[int], first_live_counts: list[int]) -> None:
+    """The first request loses one or both of its moved tokens while the copies are in flight,
+    the second none: every table's moved tokens are repointed, and only the live ones count."""
+    each, together = two_holey_tables(), two_holey_tables()
+    for first, _ in (each, together):
+        first.evict_tokens(np.array(evicted_in_flight))
+    each[0].apply_moves(make_moves(FIRST_MOVES), each[0].layout_version - 1)
+    each[1].apply_moves(make_moves(SECOND_MOVES), each[1].layout_version)
+    TokenTable.apply_moves_each(together, [make_moves(FIRST_MOVES), make_moves(SECOND_MOVES)],
+                                [together[0].layout_version - 1, together[1].layout_version])
+    for one, other in zip(each, together):
+        assert_unchanged(state(one), other)
+        assert one.layout_version == other.layout_version
+    np.testing.assert_array_equal(each[0].pool.token_at, together[0].pool.token_at)
+    assert together[0].token_block_ids[8:10].tolist() == [0, 0]
+    assert together[0].pool.live_counts[:3].tolist() == first_live_counts  # only live tokens moved a count
+    assert together[1].pool.live_counts[3:6].tolist() == [4, 4, 2]
+
+
 def test_apply_moves_each_needs_distinct_tables() -> None:
     first, _ = two_holey_tables()
     with pytest.raises(VTokenError, match="distinct tables of one pool"):
@@ -494,6 +515,25 @@ def release_empty_blocks(table: TokenTable) -> list[int]:
     emptied = table.release_empty_blocks()
     table.pool.free(emptied)
     return emptied.tolist()
+
+
+def test_release_empty_blocks_each_is_release_empty_blocks_of_each_table_in_turn() -> None:
+    """Two requests that lost blocks whole while copies were in flight, and a third that lost
+    none: one call releases what the three calls release, in table order."""
+    def layouts() -> list[TokenTable]:
+        first, second = two_holey_tables()
+        third = make_table(first.pool, 5, req_id=2)
+        first.evict_tokens(np.array([4, 5, 6, 7]))  # block 1
+        second.evict_tokens(np.array([0, 1, 8, 9, 10, 11]))  # blocks 3 and 5, the tail
+        return [first, second, third]
+
+    each, together = layouts(), layouts()
+    released_each = [table.release_empty_blocks().tolist() for table in each]
+    assert released_each == [[1], [3, 5], []]
+    assert TokenTable.release_empty_blocks_each(together).tolist() == [1, 3, 5]
+    for one, other in zip(each, together):
+        assert_unchanged(state(one), other)
+        assert one.layout_version == other.layout_version
 
 
 @settings(max_examples=60, deadline=None)

@@ -194,8 +194,8 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
                busy_req_ids: frozenset[int]) -> bool:
     """Whether `check_plan` passes every plan of a round in turn, each launched before the next
     is checked (its request busy from then on): check_plan's conditions over the round's arrays
-    at once, a few dozen numpy calls for the round and two gathers per table instead of a few
-    dozen calls per plan. `tables[i]` is the table of `plans[i]`.
+    at once, a few dozen numpy calls for the round (the moved tokens' live bits and slots read
+    in the pool's token arena, one gather each) instead of a few dozen calls per plan. `tables[i]` is the table of `plans[i]`.
 
     It only answers: on False the caller runs `check_plan` plan by plan, for the violation's
     own error. A False without a violation is possible only where two plans of the round name
@@ -207,9 +207,10 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     if len(set(req_ids)) != len(req_ids) or not busy_req_ids.isdisjoint(req_ids):
         return False
     block_size, num_plans = pool.block_size, len(plans)
-    held, pinned, open_tails, num_tokens, live, slots = [], [], [], [], [], []
+    held, pinned, open_tails, num_tokens = [], [], [], []
     for plan, table in zip(plans, tables, strict=True):
-        if plan.layout_version != table.layout_version or plan.src_block_ids.size <= plan.dst_new_block_ids.size:
+        if (plan.layout_version != table.layout_version or plan.src_block_ids.size <= plan.dst_new_block_ids.size
+                or table.pool is not pool):
             return False
         table_held = table.held_block_ids
         held.append(table_held)
@@ -225,13 +226,12 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     move_keys = move_of * (max_tokens + 1) + token_ids  # ascending when each plan's tokens do
     if not is_distinct(move_keys):
         return False
-    for m, table in zip(moves, tables):
-        live.append(table.live_mask[m.token_ids])
-        slots.append(table.token_slots[m.token_ids])
+    # every moved token's live bit and slot, read in the pool's arena at once (token_arena.py)
+    at = pool.token_arena.entries(tables, token_ids, move_of)
     src_blocks, dst_blocks = np.concatenate([m.src_block_ids for m in moves]), np.concatenate([m.dst_block_ids for m in moves])
-    if not np.concatenate(live).all():
+    if not pool.token_arena.live[at].all():
         return False
-    if (np.concatenate(slots) != src_blocks * block_size + np.concatenate([m.src_offsets for m in moves])).any():
+    if (pool.token_arena.slot[at] != src_blocks * block_size + np.concatenate([m.src_offsets for m in moves])).any():
         return False
     # one label per block: the plan whose table holds it, whose sources or new blocks it is in
     sources, source_of = _concatenated([plan.src_block_ids for plan in plans])

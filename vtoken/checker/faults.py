@@ -39,7 +39,7 @@ from vtoken.checker.names import FAULT_DETECTED_BY, FAULT_KINDS  # noqa: F401  (
 from vtoken.errors import ConfigError
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.moves import Moves, RelocationPlan
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 
@@ -226,11 +226,10 @@ class _StaleSlotTable(TokenTable):
         self._fault = fault
         self._old_slot_of: dict[int, int] = {}  # token id -> its slot before the last relocation
 
-    def _repoint(self, token_ids: np.ndarray, dst_slots: np.ndarray, has_live: bool) -> None:
-        old_slots = self._slot[token_ids].tolist()
-        super()._repoint(token_ids, dst_slots, has_live)  # the last step of apply_moves
-        if token_ids.size:
-            self._old_slot_of = dict(zip(token_ids.tolist(), old_slots))
+    def _repointed(self, moves: Moves, has_live: bool) -> None:
+        super()._repointed(moves, has_live)  # the last step of apply_moves
+        if moves.num_moves:  # a moved token's slot before the move was its source (check_plan)
+            self._old_slot_of = dict(zip(moves.token_ids.tolist(), moves.src_slots(self.block_size).tolist()))
             self._fault.num_injected += 1
 
     def slots(self) -> np.ndarray:
@@ -295,9 +294,9 @@ class _DoubleMapTable(TokenTable):
         super().__init__(req_id, pool, capacity)
         self._fault = fault
 
-    def _repoint(self, token_ids: np.ndarray, dst_slots: np.ndarray, has_live: bool) -> None:
-        super()._repoint(token_ids, dst_slots, has_live)  # the last step of apply_moves
-        live = token_ids[self.live_mask[token_ids]]
+    def _repointed(self, moves: Moves, has_live: bool) -> None:
+        super()._repointed(moves, has_live)  # the last step of apply_moves
+        live = moves.token_ids[self.live_mask[moves.token_ids]]
         if live.size >= 2:
             first, last = int(live[0]), int(live[-1])
             self._slot[last] = self._slot[first]  # the table's own mapping, behind the pool's back

@@ -339,7 +339,7 @@ class Runtime:
             return
         lives_before = [table.live_token_ids() for table in tables] if self._is_observed else [None] * len(tables)
         TokenTable.apply_moves_each(tables, [plan.moves for plan in landed], versions)
-        self.pool.free(np.concatenate([table.release_empty_blocks() for table in tables]))
+        self.pool.free(TokenTable.release_empty_blocks_each(tables))
         counts = self._counts
         for plan, table, live_before in zip(landed, tables, lives_before):
             counts["tokens_moved"] += plan.num_tokens_moved

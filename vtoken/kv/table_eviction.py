@@ -74,8 +74,8 @@ class EvictionVerbs:
         num_tables = len(tables)
         lengths = np.fromiter([table.num_tokens for table in tables], np.int64, num_tables)
         num_pinned = np.fromiter([table.num_pinned_tokens for table in tables], np.int64, num_tables)
-        at = np.fromiter([table._base for table in tables], np.int64, num_tables) + ids  # in the arena
         arena = pool.token_arena
+        at = arena.entries(tables, ids)
         if not (((ids >= num_pinned) & (ids < lengths)).all() and arena.live[at].all()):
             for table, token_id in zip(tables, ids.tolist()):
                 table.evictable_slot(token_id)  # raises the first table's error

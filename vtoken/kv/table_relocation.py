@@ -74,46 +74,43 @@ class RelocationVerbs:
         for table, table_moves, version in work:
             if version != table.layout_version:
                 table._check_moves(table_moves)
-        # the pool's side: live tokens leave their sources and join their destinations
+        # every table's moves end to end; `at`, each moved token's entry in the pool's arena
+        moves_in_order = [table_moves for _, table_moves, _ in work]
+        token_ids = np.concatenate([m.token_ids for m in moves_in_order])
+        move_of = np.repeat(np.arange(len(work)), [m.num_moves for m in moves_in_order])
         block_size = pool.block_size
-        src_blocks, dst_blocks, src_slots, dst_slots, moved_ids, repoints = [], [], [], [], [], []
-        for table, table_moves, version in work:
-            table_dst_slots = table_moves.dst_slots(block_size)
-            if version == table.layout_version:  # checked at this layout: every moved token is live
-                live = None
-                has_live = True
-            else:
-                live = table._live[table_moves.token_ids]
-                has_live = bool(live.any())
-            repoints.append((table, table_moves.token_ids, table_dst_slots, has_live))
-            if not has_live:
-                continue
-            if live is None or live.all():  # the usual case: nothing was evicted while the copy was in flight
-                kept, kept_dst_slots = table_moves, table_dst_slots
-            else:
-                kept, kept_dst_slots = table_moves.select(live), table_dst_slots[live]
-            src_blocks.append(kept.src_block_ids)
-            dst_blocks.append(kept.dst_block_ids)
-            src_slots.append(kept.src_slots(block_size))
-            dst_slots.append(kept_dst_slots)
-            moved_ids.append(kept.token_ids)
-        if src_blocks:
-            num_live = sum(blocks.size for blocks in src_blocks)
-            blocks, deltas = sum_by_block(np.concatenate(src_blocks + dst_blocks),
-                                          np.concatenate((np.full(num_live, -1, np.int64), np.ones(num_live, np.int64))))
+        src_blocks = np.concatenate([m.src_block_ids for m in moves_in_order])
+        dst_blocks = np.concatenate([m.dst_block_ids for m in moves_in_order])
+        src_slots = src_blocks * block_size + np.concatenate([m.src_offsets for m in moves_in_order])
+        dst_slots = dst_blocks * block_size + np.concatenate([m.dst_offsets for m in moves_in_order])
+        arena = pool.token_arena
+        at = arena.entries([table for table, _, _ in work], token_ids, move_of)
+        # a token evicted while its copy was in flight is repointed without live-count changes
+        # (a table still at its checked version has every moved token live)
+        live = arena.live[at]
+        all_live = bool(live.all())
+        if all_live:  # the usual case: nothing was evicted while a copy was in flight
+            has_live = [True] * len(work)
+        else:
+            has_live = (np.bincount(move_of[live], minlength=len(work)) > 0).tolist()
+            src_blocks, dst_blocks, src_slots, token_ids = src_blocks[live], dst_blocks[live], src_slots[live], token_ids[live]
+        # the pool's side: live tokens leave their sources and join their destinations
+        if token_ids.size:
+            blocks, deltas = sum_by_block(np.concatenate((src_blocks, dst_blocks)),
+                                          np.concatenate((np.full(token_ids.size, -1, np.int64), np.ones(token_ids.size, np.int64))))
             pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
             token_at = pool.token_at
-            token_at[np.concatenate(src_slots)] = -1  # every source first: a destination may be another's source
-            token_at[np.concatenate(dst_slots)] = np.concatenate(moved_ids)
-        for table, token_ids, table_dst_slots, has_live in repoints:
-            table._repoint(token_ids, table_dst_slots, has_live)
+            token_at[src_slots] = -1  # every source first: a destination may be another's source
+            token_at[dst_slots if all_live else dst_slots[live]] = token_ids
+        arena.slot[at] = dst_slots  # the tables' side, every moved token's slot at once
+        for (table, table_moves, _), moved_live in zip(work, has_live):
+            table._repointed(table_moves, moved_live)
 
-    def _repoint(self, token_ids: np.ndarray, dst_slots: np.ndarray, has_live: bool) -> None:
-        """The table's half of `apply_moves_each`, after the pool's: the moved tokens' slots
-        (`has_live`: some of them are live, so the slot list changed)."""
+    def _repointed(self, moves: Moves, has_live: bool) -> None:
+        """The table's half of `apply_moves_each`, once its moved tokens' slots are written:
+        its counters (`has_live`: some of the moved tokens are live, so the slot list changed)."""
         if has_live:
             self._cache.is_valid = False
-        self._slot[token_ids] = dst_slots
         self._off_logical_layout = True
         self.layout_version += 1
 
@@ -167,15 +164,29 @@ class RelocationVerbs:
         a relocation that landed leaves: its sources, and any block evicted empty while its copy
         was in flight), found by the pool's counts and released in one pass, without the checks
         that blocks named by a caller need. Returns them, in held order, for the caller to free."""
-        self.flush()
-        start = self.num_pinned_tokens // self.block_size
-        held = self._held[start : self._num_held]
-        is_empty = self.pool.live_counts[held] == 0
+        return self.release_empty_blocks_each([self])
+
+    @staticmethod
+    def release_empty_blocks_each(tables: Sequence[TokenTable]) -> np.ndarray:
+        """`release_empty_blocks` of every table (distinct tables of one pool, as the plans of a
+        round that landed together), the pool's live counts read once for all of them. Returns
+        the blocks released, table by table in held order, for the caller to free."""
+        if not tables:
+            return NO_BLOCKS
+        pool = tables[0].pool
+        starts = [table.num_pinned_tokens // table.block_size for table in tables]
+        helds = [table._held[start : table._num_held] for table, start in zip(tables, starts)]
+        is_empty = pool.live_counts[np.concatenate(helds)] == 0  # counts the pending appends first
         if not is_empty.any():
             return NO_BLOCKS
-        released = held[is_empty]
-        self._drop_held(start, is_empty)
-        return released
+        released, end = [], 0
+        for table, start, held in zip(tables, starts, helds):
+            table_empty = is_empty[end : end + held.size]
+            end += held.size
+            if table_empty.any():
+                released.append(held[table_empty])
+                table._drop_held(start, table_empty)
+        return np.concatenate(released)
 
     def _drop_held(self, start: int, is_dropped: np.ndarray) -> None:
         """Forget the held blocks from position `start` on that `is_dropped` marks (one entry

@@ -21,6 +21,7 @@ that appending a token need not write its bit.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,6 +47,14 @@ class TokenArena:
         self.end += num_entries
         self._tables.add(table)
         return base
+
+    @staticmethod
+    def entries(tables: Sequence[TokenTable], token_ids: np.ndarray, table_of: np.ndarray | None = None) -> np.ndarray:
+        """Where token `token_ids[i]` of `tables[table_of[i]]` (of `tables[i]` without
+        `table_of`) lies in the arena, the tables of one pool: one gather or scatter reads or
+        writes them all."""
+        bases = np.fromiter([table._base for table in tables], np.int64, len(tables))
+        return (bases if table_of is None else bases[table_of]) + token_ids
 
     def _compact(self, num_entries_needed: int) -> None:
         tables = list(self._tables)
