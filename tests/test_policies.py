@@ -27,7 +27,7 @@ from vtoken.policies import (
     num_victims,
     protected_mask,
 )
-from vtoken.policies.base import lowest_positions
+from vtoken.policies.base import SAMPLED_SELECTION_MIN_VALUES, lowest_positions
 
 POLICY_DIR = Path(__file__).resolve().parents[1] / "vtoken" / "policies"
 FORBIDDEN_MODULES = ("vtoken.kv", "torch", "typer", "rich")
@@ -388,7 +388,7 @@ def score_arrays(draw: st.DrawFn) -> np.ndarray:
     """Scores past the sampled path's size, in orders that put the smallest anywhere (random,
     ascending, descending, a sawtooth, or exactly where the sample looks), with ties from few
     distinct values, and an odd NaN."""
-    num_values = draw(st.one_of(st.integers(1, 600), st.integers(512, 3000)))
+    num_values = draw(st.one_of(st.integers(1, 600), st.integers(SAMPLED_SELECTION_MIN_VALUES, 4000)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     values = rng.pareto(1.5, num_values) if draw(st.booleans()) else rng.integers(0, draw(st.integers(1, 6)), num_values).astype(np.float64)
     order = draw(st.sampled_from(["random", "ascending", "descending", "sawtooth", "small-where-sampled"]))

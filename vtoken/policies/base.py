@@ -30,6 +30,9 @@ _PERCENT_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)%")
 _COUNT_PATTERN = re.compile(r"\d+")
 _RATIO_PATTERN = re.compile(r"\d*\.\d+|\d+\.")
 _BUDGET_FORMS = "a keep ratio ('50%' or '0.5') or a token count ('512')"
+# `lowest_positions` selects from a strided sample's bound from this many values on; a full
+# selection below it (the crossover measured by benchmarks/bench_selection.py)
+SAMPLED_SELECTION_MIN_VALUES = 3000
 
 
 @dataclass(frozen=True)
@@ -194,20 +197,30 @@ def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
     real-valued scores) that is every value up to it. (A NaN sorts last, and compares neither
     below nor equal: a k-th smallest that is NaN selects only the values below it.)
 
-    O(n), not a sort. When k is a small share of the values (a policy's periodic run evicts a
-    few dozen of a thousand), the selection runs over the values up to a bound taken from a
-    strided sample of 64 instead of over them all: the bound lies above about 4k of the values,
-    and when fewer than k lie at or below it, the k smallest reach above it and all values are
-    searched. np.partition costs about 10 ns a value whatever k is, the sample and the bound's
-    pass about a third of that."""
-    num_values = values.size
-    if num_values >= 512 and k * 32 <= num_values:
-        sample = np.sort(values[:: num_values // 64])
-        bound = sample[min(sample.size - 1, 4 * k * sample.size // num_values + 1)]
-        candidates = (values <= bound).nonzero()[0]
-        if candidates.size >= k:  # the k smallest, and every tie of the k-th, are at or below the bound
-            return candidates[_lowest_of(values[candidates], k)]
+    O(n), not a sort. When k is a small share of many values (a policy's periodic run evicts a
+    few dozen of several thousand), the selection runs over the values up to a bound taken from
+    a strided sample of 64 instead of over them all: the bound lies above about 4k of the
+    values, and when fewer than k lie at or below it, the k smallest reach above it and all
+    values are searched. The sample costs about 9 us whatever the size; a full selection about
+    3 ns a value (numpy 2.4's partition, with its compare and nonzero passes), so the sample
+    pays from about 3,000 values on (`SAMPLED_SELECTION_MIN_VALUES`)."""
+    if values.size >= SAMPLED_SELECTION_MIN_VALUES and k * 32 <= values.size:
+        positions = _lowest_below_sampled_bound(values, k)
+        if positions is not None:
+            return positions
     return _lowest_of(values, k)
+
+
+def _lowest_below_sampled_bound(values: np.ndarray, k: int) -> np.ndarray | None:
+    """`lowest_positions` among the values up to a strided sample's bound, or None when fewer
+    than k lie at or below it."""
+    num_values = values.size
+    sample = np.sort(values[:: num_values // 64])
+    bound = sample[min(sample.size - 1, 4 * k * sample.size // num_values + 1)]
+    candidates = (values <= bound).nonzero()[0]
+    if candidates.size < k:
+        return None
+    return candidates[_lowest_of(values[candidates], k)]  # the k smallest, and every tie of the k-th, are at or below the bound
 
 
 def _lowest_of(values: np.ndarray, k: int) -> np.ndarray:
