@@ -195,7 +195,8 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     """Whether `check_plan` passes every plan of a round in turn, each launched before the next
     is checked (its request busy from then on): check_plan's conditions over the round's arrays
     at once, a few dozen numpy calls for the round (the moved tokens' live bits and slots read
-    in the pool's token arena, one gather each) instead of a few dozen calls per plan. `tables[i]` is the table of `plans[i]`.
+    in the pool's token arena, one gather each) instead of a few dozen calls per plan.
+    `tables[i]` is the table of `plans[i]`.
 
     It only answers: on False the caller runs `check_plan` plan by plan, for the violation's
     own error. A False without a violation is possible only where two plans of the round name

@@ -201,9 +201,9 @@ def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
     few dozen of several thousand), the selection runs over the values up to a bound taken from
     a strided sample of 64 instead of over them all: the bound lies above about 4k of the
     values, and when fewer than k lie at or below it, the k smallest reach above it and all
-    values are searched. The sample costs about 9 us whatever the size; a full selection about
-    3 ns a value (numpy 2.4's partition, with its compare and nonzero passes), so the sample
-    pays from about 3,000 values on (`SAMPLED_SELECTION_MIN_VALUES`)."""
+    values are searched. The sample costs about 9 us whatever the size, a full selection about
+    5 us and 3-4 ns a value (numpy 2.4's partition, with its compare and nonzero passes), so
+    the sample pays from about 3,000 values on (`SAMPLED_SELECTION_MIN_VALUES`)."""
     if values.size >= SAMPLED_SELECTION_MIN_VALUES and k * 32 <= values.size:
         positions = _lowest_below_sampled_bound(values, k)
         if positions is not None:
@@ -220,7 +220,8 @@ def _lowest_below_sampled_bound(values: np.ndarray, k: int) -> np.ndarray | None
     candidates = (values <= bound).nonzero()[0]
     if candidates.size < k:
         return None
-    return candidates[_lowest_of(values[candidates], k)]  # the k smallest, and every tie of the k-th, are at or below the bound
+    # the k smallest, and every tie of the k-th, are at or below the bound
+    return candidates[_lowest_of(values[candidates], k)]
 
 
 def _lowest_of(values: np.ndarray, k: int) -> np.ndarray:
