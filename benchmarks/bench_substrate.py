@@ -36,8 +36,10 @@ repetition is a fresh run with its own seed; a row gives the median repetition's
 min-max over repetitions of the mean and of the worst step's evict + reclaim, both against the
 sim's modelled decode step of the same configuration (SimExecutor.iteration_time_s, default model and GPU: one
 step of R requests reading R x L KV tokens). The goal is evict + reclaim within 1% of that step.
-Victims are chosen outside the timed region (that is the policy's cost). check_plan (the I4
-check the runtime runs on every plan) is not included; its cost per plan is reported apart.
+Victims are chosen outside the timed region (that is the policy's cost). The reclaimer's step is
+the runtime's (substrate_workload.py): the I4 check of the step's plans in one `plans_pass`
+call is in `reclaim`; `check_plan`, which checks one plan and runs plan by plan only when
+`plans_pass` finds something, is timed apart, per plan.
 
 Two smaller tables: the step's evictions one `evict_tokens` call per request against one
 `evict_one_each` call (the same victims on identical states, alternated), with finding and
@@ -457,7 +459,8 @@ def main() -> None:
     print(format_growth(growth))
     print("\none eviction per request per step (us per step, all requests; step ms: the modelled decode step)")
     print(format_evict(evicts))
-    print("check_plan (the I4 check the runtime runs on every plan; not in the figures above), us per plan: "
+    print("check_plan alone (a round's I4 check plan by plan, as when plans_pass finds something; "
+          "not in the figures above), us per plan: "
           + ", ".join(f"{size_name(r.num_requests, r.context_tokens)} {r.cadence} {r.check_plan_us_per_plan:.0f}" for r in evicts))
     print("\na step's evictions, one evict_tokens per request against one evict_one_each, and finding and shifting "
           "each slot list's entry alone (us per step)")

@@ -26,6 +26,7 @@ from vtoken import defaults
 from vtoken.engine.executor import StepLoad
 from vtoken.engine.sim import SimExecutor, SimProfile
 from vtoken.hardware import resolve_gpu
+from vtoken.invariants import check_plan, plans_pass
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
@@ -193,27 +194,33 @@ class EvictingRun:
             self.num_blocks_freed_by_eviction += hit.size
 
     def reclaim(self) -> None:
-        """Plan, launch, complete, as the runtime does: the round's moves applied in one
-        `apply_moves_each` call (each table's checked there: this run has no check_plan) and
-        every source block of the round freed in one call."""
+        """Plan, check, launch and land, as the runtime does with synchronous copies
+        (`Runtime._reclaim`): the step's plans checked in one `plans_pass` call (I4; `check_plan`
+        plan by plan only when it finds something, to raise its error), their moves applied in
+        one `apply_moves_each` call at the versions they were checked at, and every block they
+        emptied released and freed in one call."""
         was_in_progress = self.reclaimer.is_round_in_progress
         plans = self.reclaimer.plan(self.tables)
         self.num_rounds += (was_in_progress or bool(plans)) and not self.reclaimer.is_round_in_progress
-        for plan in plans:
-            self.by_id[plan.req_id].adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
+        if not plans:
+            return
+        tables = [self.by_id[plan.req_id] for plan in plans]
+        if not plans_pass(plans, tables, self.pool, frozenset()):
+            for num_checked, (plan, table) in enumerate(zip(plans, tables)):
+                check_plan(plan, table, self.pool, frozenset(p.req_id for p in plans[:num_checked]))
+        checked_at = {}
+        for plan, table in zip(plans, tables):
+            table.adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
+            checked_at[plan.req_id] = table.layout_version
             self.engine.launch(plan)
         completed = self.engine.poll_completed()
-        if not completed:
-            return
         tables = [self.by_id[plan.req_id] for plan in completed]
-        TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [None] * len(completed))
-        for plan, table in zip(completed, tables):
-            table.release_blocks(plan.src_block_ids)
-            self.num_tokens_moved += plan.num_tokens_moved
-            self.num_blocks_freed_by_plans += plan.num_blocks_freed
-            self.num_plans += 1
+        TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [checked_at[plan.req_id] for plan in completed])
+        self.pool.free(TokenTable.release_empty_blocks_each(tables))
+        self.num_plans += len(completed)
+        self.num_tokens_moved += sum(plan.num_tokens_moved for plan in completed)
+        self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
         self.max_moved_per_step = max(self.max_moved_per_step, sum(plan.num_tokens_moved for plan in completed))
-        self.pool.free(np.concatenate([plan.src_block_ids for plan in completed]))
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:
         """One decode step; returns seconds spent in growth, evict, reclaim and slots."""
