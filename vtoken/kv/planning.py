@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.kv.arrays import block_slots
+from vtoken.kv.arrays import by_group
 from vtoken.kv.block_pool import NO_BLOCKS, BlockPool
 from vtoken.kv.moves import Moves, RelocationPlan
 from vtoken.kv.token_table import TokenTable
@@ -124,30 +124,30 @@ def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[Relocat
     is_src = position >= (sizes - num_src)[request_of]
     is_src &= planned[request_of]
     num_moves = np.where(planned, live_from[np.minimum(ends - num_src, request_of.size - 1)], 0)
-    # the sources' live tokens, in logical order per request (the pool's reverse map)
+    # the sources' live tokens, in logical order per request: the reverse map's rows of the
+    # source blocks, read in one gather; a flat index into them is (row, offset)
+    token_at = pool.token_at.reshape(-1, block_size)
     src_blocks, src_request = movables.block_ids[is_src], request_of[is_src]
-    slots = block_slots(src_blocks, block_size)
-    token_ids = pool.token_at[slots]
-    is_live = token_ids >= 0
-    slots, token_ids, token_request = slots[is_live], token_ids[is_live], np.repeat(src_request, block_size)[is_live]
-    order = np.lexsort((token_ids, token_request))
-    slots, token_ids = slots[order], token_ids[order]
+    src_rows = token_at[src_blocks]
+    live_at = np.flatnonzero(src_rows >= 0)
+    token_ids, src_row = src_rows.ravel()[live_at], live_at // block_size
+    order = np.argsort(by_group(src_request[src_row], token_ids))
+    token_ids, src_block_of, src_offset_of = token_ids[order], src_blocks[src_row[order]], (live_at % block_size)[order]
     # the holes: only kept blocks of a planned request whose free slots before them fall short
     # of its moves, and that have a free slot
     need = num_moves[request_of]
     is_dst = ~is_src & planned[request_of] & (holes_before_in < need) & (live < block_size)
     dst_blocks, dst_request = movables.block_ids[is_dst], request_of[is_dst]
-    dst_slots = block_slots(dst_blocks, block_size)
-    is_hole = pool.token_at[dst_slots] < 0
-    dst_slots, hole_request = dst_slots[is_hole], np.repeat(dst_request, block_size)[is_hole]
-    rank = np.arange(hole_request.size) - np.searchsorted(hole_request, hole_request)
-    dst_slots = dst_slots[rank < num_moves[hole_request]]
-    src_sorted = np.lexsort((src_blocks, src_request))
-    src_blocks_sorted = src_blocks[src_sorted]
+    hole_at = np.flatnonzero(token_at[dst_blocks] < 0)
+    dst_row = hole_at // block_size
+    hole_request = dst_request[dst_row]  # ascends: a request's holes are a run
+    num_holes = np.bincount(hole_request, minlength=sizes.size)
+    rank = np.arange(hole_request.size) - (np.cumsum(num_holes) - num_holes)[hole_request]
+    used = rank < num_moves[hole_request]
+    dst_block_of, dst_offset_of = dst_blocks[dst_row[used]], hole_at[used] % block_size
+    src_blocks_sorted = src_blocks[np.argsort(by_group(src_request, src_blocks))]
     move_ends = np.cumsum(num_moves)
     src_ends = np.cumsum(num_src)
-    src_block_of, src_offset_of = slots // block_size, slots % block_size
-    dst_block_of, dst_offset_of = dst_slots // block_size, dst_slots % block_size
     move_ends, num_moves, src_ends, num_src = move_ends.tolist(), num_moves.tolist(), src_ends.tolist(), num_src.tolist()
     for k in np.flatnonzero(planned).tolist():
         table = movables.tables[k]

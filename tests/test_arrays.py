@@ -1,0 +1,68 @@
+"""The substrate's small array helpers (kv/arrays.py) against numpy's general functions, on
+both sides of their size switches."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from vtoken.kv.arrays import block_slots, by_group, count_by_block, is_distinct, isin, positions_in, sum_by_block
+
+# both of the helpers' paths: a dict up to 64 entries, a sort beyond
+block_lists = st.lists(st.integers(0, 300), max_size=200)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.sets(st.tuples(st.integers(0, 40), st.integers(0, 5000)), max_size=300))
+@example(pairs=[(1, 0), (0, 5)])  # the largest value of one group and the smallest of the next
+def test_an_argsort_of_by_group_orders_distinct_pairs_as_lexsort_does(pairs) -> None:
+    pairs = list(pairs)  # a set's order: the pairs come unsorted
+    groups = np.array([g for g, _ in pairs], dtype=np.int64)
+    values = np.array([v for _, v in pairs], dtype=np.int64)
+    keys = by_group(groups, values)
+    assert np.unique(keys).size == len(pairs)  # distinct pairs, distinct keys
+    assert np.argsort(keys).tolist() == np.lexsort((values, groups)).tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_ids=block_lists, data=st.data())
+def test_sum_by_block_sums_each_blocks_deltas(block_ids, data) -> None:
+    deltas = data.draw(st.lists(st.integers(-3, 3), min_size=len(block_ids), max_size=len(block_ids)))
+    expected = collections.Counter()
+    for block_id, delta in zip(block_ids, deltas):
+        expected[block_id] += delta
+    blocks, sums = sum_by_block(np.array(block_ids, dtype=np.int64), np.array(deltas, dtype=np.int64))
+    assert blocks.tolist() == sorted(expected)
+    assert sums.tolist() == [expected[b] for b in sorted(expected)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_ids=block_lists)
+def test_count_by_block_counts_each_block(block_ids) -> None:
+    expected = collections.Counter(block_ids)
+    blocks, counts = count_by_block(np.array(block_ids, dtype=np.int64))
+    assert blocks.tolist() == sorted(expected)
+    assert counts.tolist() == [expected[b] for b in sorted(expected)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=block_lists)
+def test_is_distinct_is_whether_no_value_repeats(values) -> None:
+    assert is_distinct(np.array(values, dtype=np.int64)) == (len(set(values)) == len(values))
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=block_lists, members=block_lists)
+def test_isin_and_positions_in_agree_with_numpy(values, members) -> None:
+    values, members = np.array(values, dtype=np.int64), np.array(members, dtype=np.int64)
+    assert isin(values, members).tolist() == np.isin(values, members).tolist()
+    distinct = np.unique(members)[::-1]  # a table's held blocks: distinct, in any order
+    expected = [int(np.flatnonzero(distinct == v)[0]) if v in distinct else -1 for v in values.tolist()]
+    assert positions_in(distinct, values).tolist() == expected
+
+
+def test_block_slots_lists_every_slot_of_each_block_in_order() -> None:
+    assert block_slots(np.array([3, 0]), 4).tolist() == [12, 13, 14, 15, 0, 1, 2, 3]
