@@ -81,6 +81,17 @@ def test_fresh_pool_is_all_free_with_zero_metrics() -> None:
 # ---- allocation order --------------------------------------------------------------------
 
 
+def test_a_scratch_array_is_pool_sized_and_handed_out_again_by_name() -> None:
+    pool = BlockPool(24, 4)
+    labels = pool.scratch("labels", np.int64)
+    labels[:] = 7
+    assert labels.shape == (24,) and labels.dtype == np.int64
+    assert pool.scratch("labels", np.int64) is labels and (labels == 7).all()  # what the last caller left
+    flags = pool.scratch("flags", bool)
+    assert flags is not labels and flags.dtype == bool
+    assert BlockPool(24, 4).scratch("labels", np.int64) is not labels  # one set per pool
+
+
 def test_fresh_pool_allocates_in_id_order() -> None:
     pool = make_pool()
     assert pool.allocate(3).tolist() == [0, 1, 2]

@@ -238,14 +238,15 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     sources, source_of = _concatenated([plan.src_block_ids for plan in plans])
     new_blocks, new_of = _concatenated([plan.dst_new_block_ids for plan in plans])
     held_blocks, holder_of = _concatenated(held)
-    # Pool-sized label arrays, left uninitialized but where they are read (a block the round
-    # names): filling them whole wrote every cache line of three pool-sized arrays each round.
+    # Pool-sized label arrays, the pool's scratch, written only where they are read (a block
+    # the round names): filling them whole wrote every cache line of three pool-sized arrays
+    # each round, and fresh ones paid the first touch of every page the round wrote.
     touched, touched_of = np.concatenate((sources, dst_blocks)), np.concatenate((source_of, move_of))
     read_at = np.concatenate((touched, src_blocks))  # every block the checks below look up
-    holder, source, new = (np.empty(pool.num_blocks, dtype=np.int64) for _ in range(3))
+    holder, source, new = (pool.scratch(name, np.int64) for name in ("plans_pass holder", "plans_pass source", "plans_pass new"))
     holder[read_at] = source[read_at] = new[read_at] = -1
     holder[held_blocks], source[sources], new[new_blocks] = holder_of, source_of, new_of
-    forbidden = np.empty(pool.num_blocks, dtype=bool)  # pinned, or an open tail (as a source)
+    forbidden = pool.scratch("plans_pass forbidden", bool)  # pinned, or an open tail (as a source)
     forbidden[touched] = False
     forbidden[np.concatenate(pinned)] = True
     if (((pool.ref_counts[touched] > 1) & (new[touched] != touched_of)) | forbidden[touched]).any():
