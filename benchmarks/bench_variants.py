@@ -47,10 +47,9 @@ from pathlib import Path
 
 from replay_inputs import checked_replay, fail, replayed
 
-from vtoken import defaults
+from vtoken import defaults, invariants
 from vtoken.compare import variant_to_json
 from vtoken.engine import VARIANTS, Experiment, Runtime, SimExecutor, run_sim, sim_runtime
-from vtoken.engine import runtime as runtime_module
 from vtoken.engine.eviction import EvictionSchedule
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.reclaim import Reclaimer
@@ -74,7 +73,7 @@ PHASES = (
     ("count", TokenTable, "num_uncompacted_blocks"),
     ("_reclaim", Runtime, "_reclaim"),
     ("plans", Reclaimer, "_plans"),
-    ("plans_pass", runtime_module, "plans_pass"),
+    ("plans_pass", invariants, "plans_pass"),
     ("landing", Runtime, "_complete"),
     ("appends", BlockPool, "flush_deferred"),
 )

@@ -26,7 +26,7 @@ from vtoken import defaults
 from vtoken.engine.executor import StepLoad
 from vtoken.engine.sim import SimExecutor, SimProfile
 from vtoken.hardware import resolve_gpu
-from vtoken.invariants import check_plan, plans_pass
+from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
@@ -195,8 +195,8 @@ class EvictingRun:
 
     def reclaim(self) -> None:
         """Plan, check, launch and land, as the runtime does with synchronous copies
-        (`Runtime._reclaim`): the step's plans checked in one `plans_pass` call (I4; `check_plan`
-        plan by plan only when it finds something, to raise its error), their moves applied in
+        (`Runtime._reclaim`): the step's plans checked with `check_round` (I4: one `plans_pass`
+        call; `check_plan` plan by plan only when it finds something), their moves applied in
         one `apply_moves_each` call at the versions they were checked at, and every block they
         emptied released and freed in one call."""
         was_in_progress = self.reclaimer.is_round_in_progress
@@ -205,9 +205,7 @@ class EvictingRun:
         if not plans:
             return
         tables = [self.by_id[plan.req_id] for plan in plans]
-        if not plans_pass(plans, tables, self.pool, frozenset()):
-            for num_checked, (plan, table) in enumerate(zip(plans, tables)):
-                check_plan(plan, table, self.pool, frozenset(p.req_id for p in plans[:num_checked]))
+        check_round(plans, tables, self.pool, frozenset())
         checked_at = {}
         for plan, table in zip(plans, tables):
             table.adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))

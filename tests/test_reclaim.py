@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.errors import ConfigError, InvariantError
-from vtoken.invariants import check_plan, check_unique_mapping, plans_pass
+from vtoken.invariants import check_plan, check_round, check_unique_mapping, plans_pass
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.planning import movable_block_ids, num_reclaimable_blocks, plan_hole_fill, plan_ordered
@@ -492,6 +492,7 @@ def test_the_round_check_passes_a_planned_round_and_fails_wherever_check_plan_wo
     plans = Reclaimer(ReclaimConfig(mode=mode), pool).plan(tables)
     by_id = {t.req_id: t for t in tables}
     assert plans_pass(plans, [by_id[p.req_id] for p in plans], pool, frozenset())
+    check_round(plans, [by_id[p.req_id] for p in plans], pool, frozenset())
     if not plans:
         return
     k = which % len(plans)
@@ -501,8 +502,13 @@ def test_the_round_check_passes_a_planned_round_and_fails_wherever_check_plan_wo
         for plan in plans:
             check_plan(plan, by_id[plan.req_id], pool, busy)
             busy |= {plan.req_id}
-    except InvariantError:
+    except InvariantError as plan_by_plan:
         assert not plans_pass(plans, [by_id[p.req_id] for p in plans], pool, frozenset())
+        with pytest.raises(InvariantError) as round_error:  # check_round raises check_plan's own error
+            check_round(plans, [by_id[p.req_id] for p in plans], pool, frozenset())
+        assert str(round_error.value) == str(plan_by_plan)
+    else:
+        check_round(plans, [by_id[p.req_id] for p in plans], pool, frozenset())  # passes where every plan does
 
 
 def corrupt(plan: RelocationPlan, corruption: str, delta: int, pool: BlockPool, plans: list[RelocationPlan]) -> RelocationPlan:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vtoken.errors import InvariantError
-from vtoken.kv.arrays import is_distinct, isin
+from vtoken.kv.arrays import by_group, is_distinct, isin
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.token_table import TokenTable
@@ -224,7 +224,7 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     max_tokens = max(num_tokens)
     if token_ids.size and ((token_ids < 0) | (token_ids >= np.array(num_tokens)[move_of])).any():
         return False
-    move_keys = move_of * (max_tokens + 1) + token_ids  # ascending when each plan's tokens do
+    move_keys = by_group(move_of, token_ids, max_tokens + 1)  # ascending when each plan's tokens do
     if not is_distinct(move_keys):
         return False
     # every moved token's live bit and slot, read in the pool's arena at once (token_arena.py)
@@ -264,9 +264,24 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     dst_slots = dst_blocks * block_size + np.concatenate([m.dst_offsets for m in moves])
     occupant = pool.token_at[dst_slots]
     occupied = occupant >= 0
-    if occupied.any() and not isin(move_of[occupied] * (max_tokens + 1) + occupant[occupied], move_keys).all():
+    if occupied.any() and not isin(by_group(move_of[occupied], occupant[occupied], max_tokens + 1), move_keys).all():
         return False
     return is_distinct(dst_slots)
+
+
+def check_round(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], pool: BlockPool,
+                busy_req_ids: frozenset[int]) -> None:
+    """I4 for a round's plans, each as if launched before the next is checked (its request busy
+    from then on): `plans_pass` for all of them at once, and `check_plan` plan by plan only when
+    it finds something, so that a violation raises check_plan's error. `tables[i]` is the table
+    of `plans[i]`. A plan's check reads only its own table and blocks and the requests busy
+    before it, so checking the round before launching any plan raises what checking each plan
+    just before its launch raised."""
+    if plans_pass(plans, tables, pool, busy_req_ids):
+        return
+    for plan, table in zip(plans, tables, strict=True):
+        check_plan(plan, table, pool, busy_req_ids)
+        busy_req_ids = busy_req_ids | {plan.req_id}
 
 
 def _concatenated(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

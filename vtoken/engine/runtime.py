@@ -28,7 +28,7 @@ from vtoken.engine.experiment import Run
 from vtoken.engine.observer import NullObserver, RuntimeObserver
 from vtoken.engine.scheduler import Scheduler, SchedulerLimits
 from vtoken.errors import ConfigError
-from vtoken.invariants import check_plan, plans_pass
+from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.moves import RelocationPlan
@@ -302,14 +302,9 @@ class Runtime:
         copy_s = self.executor.raw_copy_time_s(num_moved) if self._prices_copies else None
         self.reclaim_work[trigger] = self.reclaim_work[trigger].plus(
             len(plans), num_moved, sum(p.num_blocks_freed for p in plans), copy_s)
-        # I4 for the whole round at once; plan by plan (each checked, then launched) only when
-        # it finds something, so that a violation raises check_plan's error where it always did
-        is_checked = plans_pass(plans, [by_id[p.req_id] for p in plans], self.pool, busy)
+        check_round(plans, [by_id[p.req_id] for p in plans], self.pool, busy)  # I4, before any launch
         for plan in plans:
             table = by_id[plan.req_id]
-            if not is_checked:
-                check_plan(plan, table, self.pool, busy)
-                busy = busy | {plan.req_id}  # the next plans are checked against this one in flight
             self.observer.on_plan(plan, table)
             if plan.dst_new_block_ids.size:  # an ordered plan's fresh destinations
                 got = self.pool.allocate(plan.dst_new_block_ids.size)

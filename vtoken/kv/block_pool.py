@@ -346,9 +346,10 @@ class BlockPool:
     def scratch(self, name: str, dtype: type) -> np.ndarray:
         """A pool-sized array (one entry per block) named `name`, for a caller that writes
         every entry it reads first: made at the first call and handed out again after, holding
-        what the last caller left. A fresh pool-sized array at every call paid for the first
-        touch of each memory page it wrote: about 1.5 ms a round's I4 check (`plans_pass`) at
-        1,024 requests x 8K, where bench_substrate.py's pool has 1.6 million blocks."""
+        what the last caller left. A fresh pool-sized array at every call pays for the first
+        touch of each memory page it writes, unless the allocator hands back memory already
+        touched: at 1,024 requests x 8K, bench_substrate.py's pool has 1.6 million blocks, 13 MB
+        an int64 array."""
         array = self._scratch.get(name)
         if array is None:
             array = self._scratch[name] = np.empty(self.num_blocks, dtype=dtype)
