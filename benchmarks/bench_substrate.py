@@ -41,6 +41,13 @@ the runtime's (substrate_workload.py): the I4 check of the step's plans in one `
 call is in `reclaim`; `check_plan`, which checks one plan and runs plan by plan only when
 `plans_pass` finds something, is timed apart, per plan.
 
+Beside it, the steps that launched plans (a round's steps; the worst step is one of them), by
+part of their reclaim: planning, the I4 check, launching and landing, each the median over the
+median repetition's such steps, with the plans and tokens moved of the median one. Between two
+cadences of one size (paced: about one plan a step under a small budget; default: about two
+under 2,048 moves) they separate, roughly, what a round step costs whatever it moves from what
+it costs per token moved.
+
 Two smaller tables: the step's evictions one `evict_tokens` call per request against one
 `evict_one_each` call (the same victims on identical states, alternated), with finding and
 shifting each slot list's entry alone beside them (what a dense host slot list costs per
@@ -57,7 +64,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from substrate_workload import (
-    BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, choose_victims, grow_one,
+    BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, RoundStep, choose_victims, grow_one,
     ROUND_CADENCES, make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_step, reclaim_config,
 )
 
@@ -110,6 +117,13 @@ class EvictRow:
     check_plan_us_per_plan: float
     modelled_step_us: float  # the sim's decode step of this configuration
     max_src_blocks: int  # B: source blocks per plan
+    # the median repetition's measured steps that launched plans (RoundStep): how many, and the
+    # median over them of their plans, tokens moved, and each part's microseconds (plan, check,
+    # launch, land)
+    num_launching_steps: int
+    launching_step_plans: float
+    launching_step_moved: float
+    launching_step_parts_us: tuple[float, float, float, float]
 
     @property
     def bookkeeping_us(self) -> float:
@@ -233,12 +247,14 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     `num_window_steps` steps."""
     step_us = modelled_step_us(num_requests, context_tokens)
     means, worst, plans_per_step, moved_per_round, num_steps, num_round_steps, check_us = [], [], [], [], [], [], 0.0
+    launching: list[list[RoundStep]] = []
     max_moved_per_step = 0
     for repeat_idx in range(num_repeats):
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
         num_plans_before, first_step_idx = run.num_plans, run.step_idx
         num_moved_before, num_rounds_before = run.num_tokens_moved, run.num_rounds
         run.max_moved_per_step = 0  # from here on: the measured steps
+        run.round_steps.clear()
         if cadence in ROUND_CADENCES:
             ordinary, in_round, cycle_steps = time_cycle(run)
             num_ordinary = cycle_steps - len(in_round)
@@ -255,15 +271,19 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
         plans_per_step.append((run.num_plans - num_plans_before) / num_steps[-1])
         moved_per_round.append((run.num_tokens_moved - num_moved_before) / max(run.num_rounds - num_rounds_before, 1))
         max_moved_per_step = max(max_moved_per_step, run.max_moved_per_step)
+        launching.append(list(run.round_steps))
         if repeat_idx == 0:
             check_us = time_check_plan_us(run)
     bookkeeping = [float(m[1] + m[2]) for m in means]
     median = int(np.argsort(bookkeeping)[len(bookkeeping) // 2])
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
     budget = run.reclaimer.config.max_moves_per_step
+    steps = np.array(launching[median], dtype=np.float64).reshape(-1, len(RoundStep._fields))
+    step_medians = np.median(steps, axis=0) if len(steps) else np.zeros(len(RoundStep._fields))
     return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
-                    worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks)
+                    worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
+                    len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]))
 
 
 def measure_evict_paths(num_requests: int, context_tokens: int, num_steps: int, clock) -> EvictPathRow:
@@ -384,6 +404,19 @@ def format_evict(rows: list[EvictRow]) -> str:
     return table(header, lines)
 
 
+def format_launching_steps(rows: list[EvictRow]) -> str:
+    header = (f"{'requests x context':<18} {'cadence':<11} {'steps':>5} {'plans':>5} {'moved':>6} {'plan':>6} {'check':>6} {'launch':>6} "
+              f"{'land':>6} {'total':>6} {'% of step':>9}")
+    lines = []
+    for r in rows:
+        total = sum(r.launching_step_parts_us)
+        parts = " ".join(f"{part:>6.0f}" for part in r.launching_step_parts_us)
+        lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<11} {r.num_launching_steps:>5} "
+                     f"{r.launching_step_plans:>5.0f} {r.launching_step_moved:>6,.0f} {parts} {total:>6.0f} "
+                     f"{100 * total / r.modelled_step_us:>9.2f}")
+    return table(header, lines)
+
+
 def format_evict_paths(rows: list[EvictPathRow]) -> str:
     header = (f"{'requests x context':<18} {'per table us/step':>17} {'evict_one_each us/step':>22} {'x per table':>11} "
               f"{'find + shift alone us/step':>26} {'% of evict_one_each':>19}")
@@ -462,6 +495,10 @@ def main() -> None:
     print("check_plan alone (a round's I4 check plan by plan, as when plans_pass finds something; "
           "not in the figures above), us per plan: "
           + ", ".join(f"{size_name(r.num_requests, r.context_tokens)} {r.cadence} {r.check_plan_us_per_plan:.0f}" for r in evicts))
+    print("\na measured step that launched plans, by part of its reclaim (the median over the median repetition's such steps, "
+          "us): planning, the I4 check (check_round), launching (destinations, copies launched and polled), landing "
+          "(moves applied, emptied blocks released and freed); plans and moved: the median step's")
+    print(format_launching_steps(evicts))
     print("\na step's evictions, one evict_tokens per request against one evict_one_each, and finding and shifting "
           "each slot list's entry alone (us per step)")
     print(format_evict_paths(paths))

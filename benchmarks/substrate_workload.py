@@ -19,6 +19,7 @@ Cadences of the reclaimer (hole-fill, synchronous copies, no KV data):
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -147,6 +148,18 @@ def choose_victims(tables: list[TokenTable], rng: np.random.Generator, pattern: 
     return np.array(victims, dtype=np.int64)
 
 
+class RoundStep(NamedTuple):
+    """A step whose reclamation launched plans: how many, the tokens they moved, and the
+    seconds of each part of it (`EvictingRun.reclaim`)."""
+
+    num_plans: int
+    num_tokens_moved: int
+    plan_s: float
+    check_s: float
+    launch_s: float
+    land_s: float
+
+
 class EvictingRun:
     """R requests under one eviction per request per step, with the reclaimer on. `clock` is
     the timer of `step` (time.process_time or time.perf_counter)."""
@@ -170,6 +183,10 @@ class EvictingRun:
         self.num_plans = 0
         self.num_rounds = 0  # rounds that ended, having launched plans
         self.is_round_step = False  # the last step's reclaimer planned (a round started or went on)
+        # per step that launched plans: its plans, tokens moved, and the seconds of planning, the
+        # I4 check, launching (destinations adopted, copies launched and polled) and landing
+        # (moves applied, emptied blocks released and freed)
+        self.round_steps: list[RoundStep] = []
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -198,23 +215,32 @@ class EvictingRun:
         (`Runtime._reclaim`): the step's plans checked with `check_round` (I4: one `plans_pass`
         call; `check_plan` plan by plan only when it finds something), their moves applied in
         one `apply_moves_each` call at the versions they were checked at, and every block they
-        emptied released and freed in one call."""
+        emptied released and freed in one call. A step that launched plans is logged, with the
+        seconds of each part, in `round_steps`."""
+        clock = self.clock
+        started = clock()
         was_in_progress = self.reclaimer.is_round_in_progress
         plans = self.reclaimer.plan(self.tables)
         self.num_rounds += (was_in_progress or bool(plans)) and not self.reclaimer.is_round_in_progress
         if not plans:
             return
+        planned = clock()
         tables = [self.by_id[plan.req_id] for plan in plans]
         check_round(plans, tables, self.pool, frozenset())
+        checked = clock()
         checked_at = {}
         for plan, table in zip(plans, tables):
             table.adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
             checked_at[plan.req_id] = table.layout_version
             self.engine.launch(plan)
         completed = self.engine.poll_completed()
+        launched = clock()
         tables = [self.by_id[plan.req_id] for plan in completed]
         TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [checked_at[plan.req_id] for plan in completed])
         self.pool.free(TokenTable.release_empty_blocks_each(tables))
+        landed = clock()
+        self.round_steps.append(RoundStep(len(plans), sum(plan.num_tokens_moved for plan in plans), planned - started,
+                                          checked - planned, launched - checked, landed - launched))
         self.num_plans += len(completed)
         self.num_tokens_moved += sum(plan.num_tokens_moved for plan in completed)
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)

@@ -30,7 +30,7 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, timeout=600, check=False)
     assert completed.returncode == 0, completed.stderr
     for heading in ("growth + slots()", "one eviction per request per step", "one evict_one_each", "tokens moved per freed block",
-                    "a step's moves bounded by"):
+                    "a step's moves bounded by", "a measured step that launched plans, by part of its reclaim"):
         assert heading in completed.stdout
     result = json.loads(out.read_text())
     rows = {row["cadence"]: row for row in result["evict"]}
@@ -43,6 +43,10 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
         assert row["worst_range_us"][0] <= row["worst_us"] <= row["worst_range_us"][1]
         assert f"{100 * row['step_share']:.2f}% ({'met' if row['step_share'] <= 0.01 else 'MISSED'})" in completed.stdout
         assert row["max_moved_per_step"] <= max(row["max_moves_per_step"], row["max_src_blocks"] * 16)
+        # the cycle's round launched plans; the median launching step moved no more than any step may
+        assert row["num_launching_steps"] >= 1 and row["launching_step_plans"] >= 1
+        assert 0 < row["launching_step_moved"] <= row["max_moved_per_step"]
+        assert len(row["launching_step_parts_us"]) == 4 and min(row["launching_step_parts_us"]) >= 0
     assert rows["default"]["max_moves_per_step"] == defaults.RECLAIM_MOVES_PER_STEP
     assert rows["default"]["moved_per_round"] > 0  # the cycle ends with a round that moved tokens
     assert 0 < rows["default"]["num_round_steps"] < rows["default"]["num_steps"]
@@ -92,6 +96,7 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
         for plan in plans:
             check_plan(plan, run.by_id[plan.req_id], run.pool, busy)
         moved.append(sum(plan.num_tokens_moved for plan in plans))
+        launched.append((len(plans), moved[-1]))
         return plans
 
     moved: list[int] = []
@@ -99,7 +104,15 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
     for _ in range(400):
         victims = choose_victims(run.tables, run.rng, "random")
         live_before = [np.setdiff1d(t.live_token_ids(), [v]) for t, v in zip(run.tables, victims.tolist())]
-        run.step(victims)
+        launched: list[tuple[int, int]] = []
+        num_logged = len(run.round_steps)
+        _, _, reclaim_s, _ = run.step(victims)
+        # a step that launched plans is logged once, with its plans and moves, its parts within its reclaim
+        launching = [entry for entry in launched if entry[0]]
+        assert [(step.num_plans, step.num_tokens_moved) for step in run.round_steps[num_logged:]] == launching
+        if launching:
+            parts = run.round_steps[-1][2:]
+            assert min(parts) >= 0 and sum(parts) <= reclaim_s
         check_unique_mapping(run.pool, run.tables)
         for table, live in zip(run.tables, live_before):
             check_conservation(table.req_id, live, table.live_token_ids()[: live.size])
