@@ -406,10 +406,10 @@ def format_evict(rows: list[EvictRow]) -> str:
 
 def format_launching_steps(rows: list[EvictRow]) -> str:
     header = (f"{'requests x context':<18} {'cadence':<11} {'steps':>5} {'plans':>5} {'moved':>6} {'plan':>6} {'check':>6} {'launch':>6} "
-              f"{'land':>6} {'total':>6} {'% of step':>9}")
+              f"{'land':>6} {'sum':>6} {'% of step':>9}")
     lines = []
     for r in rows:
-        total = sum(r.launching_step_parts_us)
+        total = sum(r.launching_step_parts_us)  # of the parts' medians
         parts = " ".join(f"{part:>6.0f}" for part in r.launching_step_parts_us)
         lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<11} {r.num_launching_steps:>5} "
                      f"{r.launching_step_plans:>5.0f} {r.launching_step_moved:>6,.0f} {parts} {total:>6.0f} "
@@ -497,7 +497,7 @@ def main() -> None:
           + ", ".join(f"{size_name(r.num_requests, r.context_tokens)} {r.cadence} {r.check_plan_us_per_plan:.0f}" for r in evicts))
     print("\na measured step that launched plans, by part of its reclaim (the median over the median repetition's such steps, "
           "us): planning, the I4 check (check_round), launching (destinations, copies launched and polled), landing "
-          "(moves applied, emptied blocks released and freed); plans and moved: the median step's")
+          "(moves applied, emptied blocks released and freed), and their sum; plans and moved: the median step's")
     print(format_launching_steps(evicts))
     print("\na step's evictions, one evict_tokens per request against one evict_one_each, and finding and shifting "
           "each slot list's entry alone (us per step)")
