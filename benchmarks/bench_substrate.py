@@ -251,10 +251,8 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     max_moved_per_step = 0
     for repeat_idx in range(num_repeats):
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
-        num_plans_before, first_step_idx = run.num_plans, run.step_idx
-        num_moved_before, num_rounds_before = run.num_tokens_moved, run.num_rounds
-        run.max_moved_per_step = 0  # from here on: the measured steps
-        run.round_steps.clear()
+        first_step_idx, num_rounds_before = run.step_idx, run.num_rounds
+        run.round_steps.clear()  # from here on: the measured steps
         if cadence in ROUND_CADENCES:
             ordinary, in_round, cycle_steps = time_cycle(run)
             num_ordinary = cycle_steps - len(in_round)
@@ -268,10 +266,11 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
         means.append(1e6 * mean)
         worst.append(1e6 * float((parts[:, 1] + parts[:, 2]).max()))
         num_steps.append(run.step_idx - first_step_idx)
-        plans_per_step.append((run.num_plans - num_plans_before) / num_steps[-1])
-        moved_per_round.append((run.num_tokens_moved - num_moved_before) / max(run.num_rounds - num_rounds_before, 1))
-        max_moved_per_step = max(max_moved_per_step, run.max_moved_per_step)
-        launching.append(list(run.round_steps))
+        measured = list(run.round_steps)
+        plans_per_step.append(sum(step.num_plans for step in measured) / num_steps[-1])
+        moved_per_round.append(sum(step.num_tokens_moved for step in measured) / max(run.num_rounds - num_rounds_before, 1))
+        max_moved_per_step = max(max_moved_per_step, max((step.num_tokens_moved for step in measured), default=0))
+        launching.append(measured)
         if repeat_idx == 0:
             check_us = time_check_plan_us(run)
     bookkeeping = [float(m[1] + m[2]) for m in means]

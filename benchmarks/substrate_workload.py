@@ -177,15 +177,14 @@ class EvictingRun:
         self.clock = clock
         self.step_idx = 0
         self.num_tokens_moved = 0
-        self.max_moved_per_step = 0  # the most tokens one step's reclamation moved
         self.num_blocks_freed_by_eviction = 0
         self.num_blocks_freed_by_plans = 0
-        self.num_plans = 0
         self.num_rounds = 0  # rounds that ended, having launched plans
         self.is_round_step = False  # the last step's reclaimer planned (a round started or went on)
         # per step that launched plans: its plans, tokens moved, and the seconds of planning, the
         # I4 check, launching (destinations adopted, copies launched and polled) and landing
-        # (moves applied, emptied blocks released and freed)
+        # (moves applied, emptied blocks released and freed); a caller that clears it counts
+        # plans and moves from there on
         self.round_steps: list[RoundStep] = []
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
@@ -239,12 +238,11 @@ class EvictingRun:
         TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [checked_at[plan.req_id] for plan in completed])
         self.pool.free(TokenTable.release_empty_blocks_each(tables))
         landed = clock()
-        self.round_steps.append(RoundStep(len(plans), sum(plan.num_tokens_moved for plan in plans), planned - started,
-                                          checked - planned, launched - checked, landed - launched))
-        self.num_plans += len(completed)
-        self.num_tokens_moved += sum(plan.num_tokens_moved for plan in completed)
+        num_moved = sum(plan.num_tokens_moved for plan in completed)
+        self.round_steps.append(RoundStep(len(completed), num_moved, planned - started, checked - planned, launched - checked,
+                                          landed - launched))
+        self.num_tokens_moved += num_moved
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
-        self.max_moved_per_step = max(self.max_moved_per_step, sum(plan.num_tokens_moved for plan in completed))
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:
         """One decode step; returns seconds spent in growth, evict, reclaim and slots."""
