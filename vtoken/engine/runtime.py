@@ -152,7 +152,7 @@ class Runtime:
             # the reclaimer's headroom (ordered destinations) is kept from admissions while
             # something runs that it could pack; with nothing running, there is nothing to pack
             self._pack_under_pressure()
-            num_reserved = self.reclaimer.config.num_headroom_blocks
+            num_reserved = self.reclaimer.num_headroom_blocks
         batch = sched.schedule(num_reserved, self.now_s)
         return batch if batch.decode or batch.prefill else None
 
@@ -206,10 +206,11 @@ class Runtime:
         for chunk in batch.prefill:
             if not chunk.is_last and self.experiment.scheduler.evict_every_chunk and self.spec.evicts:
                 self._evict_mid_prompt(chunk.state)
+        is_due = self.eviction.is_due if self.spec.evicts else None  # asked of every sampled request: looked up once
         for state in sampled:
             if state.num_remaining == 0:
                 self._finish(state)
-            elif self.spec.evicts and self.eviction.is_due(state.eviction, state.num_generated):
+            elif is_due is not None and is_due(state.eviction, state.num_generated):
                 self._evict(state)
         if self.reclaimer is not None and self.reclaimer.is_eligible(self.num_iterations):
             self._reclaim()

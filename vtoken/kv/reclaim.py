@@ -97,6 +97,7 @@ class Reclaimer:
         self.num_low_watermark_blocks = int(np.ceil(config.low_watermark_frac * pool.num_blocks))
         reserve = config.pressure_reserve_blocks
         self.num_pressure_reserve_blocks = max(1, -(-pool.num_blocks // 100)) if reserve is None else reserve
+        self.num_headroom_blocks = config.num_headroom_blocks  # the config is frozen; asked every step
         self._round_req_ids: list[int] = []  # the lazy round's requests still to plan, the next one last
 
     @property
@@ -114,7 +115,7 @@ class Reclaimer:
 
     def num_admissible_blocks(self) -> int:
         """Stage 2: free blocks admission may take; the headroom stays for destinations."""
-        return max(0, self.pool.num_free_blocks - self.config.num_headroom_blocks)
+        return max(0, self.pool.num_free_blocks - self.num_headroom_blocks)
 
     def num_blocks_short(self, num_blocks_needed: int) -> int:
         """Stage 1 under pressure: blocks to free now so that `num_blocks_needed` more fit in
