@@ -1,7 +1,7 @@
 """Host-side cost of the vToken substrate per decode step, against the modelled step. A benchmark, not a test.
 
     python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
-                                         [--repeats N] [--wall] [--json PATH]
+                                         [--fit-budgets 256,512,1024,2048] [--repeats N] [--wall] [--json PATH]
 
 R concurrent requests with an L-token context, block size S = 16, one new token per request
 per step (the workload and the reclaimer's cadences: substrate_workload.py). Growth runs the
@@ -48,6 +48,15 @@ cadences of one size (paced: about one plan a step under a small budget; default
 under 2,048 moves) they separate, roughly, what a round step costs whatever it moves from what
 it costs per token moved.
 
+`--fit-budgets B1,B2,...` fits that split instead of reading it off two cadences: at every size,
+the paced cadence's reclaimer at each budget (B1, B2, ... tokens moved a step, B x S = 1.25 x the
+budget), one cycle per budget and repetition, the budgets' order reversed every other
+repetition; every step that launched plans is a point (tokens moved, its reclaim), and a least-
+squares line through one repetition's points gives a round step's fixed cost and its cost per
+token moved (the median repetition's, by fixed cost, with the min-max over repetitions). With
+the median step's evictions, the fit says how many moves a step can make within 1% of the
+modelled step: none where the evictions and the fixed cost alone exceed it.
+
 Two smaller tables: the step's evictions one `evict_tokens` call per request against one
 `evict_one_each` call (the same victims on identical states, alternated), with finding and
 shifting each slot list's entry alone beside them (what a dense host slot list costs per
@@ -59,17 +68,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 from substrate_workload import (
     BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, RoundStep, choose_victims, grow_one,
-    ROUND_CADENCES, make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_step, reclaim_config,
+    ROUND_CADENCES, budgeted_config, make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_step, reclaim_config,
 )
 
 from vtoken.invariants import check_plan
 from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.kv.token_table import TokenTable
 
 # (requests, context, growth steps, every-step cadence's steps): the default run
@@ -140,6 +151,48 @@ class EvictRow:
 
 
 @dataclass(frozen=True)
+class BudgetRow:
+    """One budget of `--fit-budgets` at one size: the steps that launched plans, over every
+    repetition, and their medians (plans, tokens moved, the round step's reclaim, the step's
+    evictions)."""
+
+    num_requests: int
+    context_tokens: int
+    max_moves_per_step: int
+    num_launching_steps: int
+    plans: float
+    moved: float
+    round_step_us: float  # the reclaim of a step that launched plans: planning, check, launch, land
+    evict_us: float  # that step's evictions (every request's, one call)
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """A round step's reclaim against the tokens it moved, fitted by least squares over the
+    launching steps of every budget of one repetition: fixed_us + us_per_token x moved. The
+    median repetition's fit (by its fixed cost) with the min-max over repetitions; from it and
+    the step's evictions, how many moves a step can make within 1% of the modelled step."""
+
+    num_requests: int
+    context_tokens: int
+    modelled_step_us: float
+    num_steps: int  # launching steps fitted, over every repetition
+    fixed_us: float
+    fixed_range_us: tuple[float, float]
+    us_per_token: float
+    us_per_token_range: tuple[float, float]
+    median_abs_residual_us: float  # of the median repetition's steps about its line
+    evict_us: float  # median over every launching step
+
+    @property
+    def max_moves_within_target(self) -> int:
+        """Tokens a round step may move with its evictions and its fixed cost within 1% of the
+        step: 0 when those alone do not fit (or the fit has no positive slope)."""
+        room = TARGET_STEP_SHARE * self.modelled_step_us - self.evict_us - self.fixed_us
+        return int(room / self.us_per_token) if room > 0 and self.us_per_token > 0 else 0
+
+
+@dataclass(frozen=True)
 class EvictPathRow:
     num_requests: int
     context_tokens: int
@@ -185,12 +238,14 @@ def measure_growth(num_requests: int, context_tokens: int, num_steps: int, num_r
     return GrowthRow(num_requests, context_tokens, statistics.median(native), statistics.median(table))
 
 
-def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: float, seed: int, clock) -> EvictingRun:
+def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: float, seed: int, clock,
+               config: ReclaimConfig | None = None) -> EvictingRun:
     """A run in its steady state: waste just under theta_F (random dead tokens in every
-    request), then steps until a reclamation round ended (and a few more, every-step)."""
+    request), then steps until a reclamation round ended (and a few more, every-step).
+    `config`: the reclaimer's, in place of the cadence's (a round cadence's)."""
     num_steps = {"default": 2 * MAX_CYCLE_STEPS, "whole-round": 2 * MAX_CYCLE_STEPS, "paced": 2 * MAX_CYCLE_STEPS, "every-step": 1024}[cadence]
-    run = EvictingRun(num_requests, context_tokens, num_steps, reclaim_config(cadence, step_us), every_step=cadence == "every-step",
-                      seed=seed, clock=clock)
+    run = EvictingRun(num_requests, context_tokens, num_steps, config or reclaim_config(cadence, step_us),
+                      every_step=cadence == "every-step", seed=seed, clock=clock)
     if cadence == "every-step":
         run.prefragment()
         run.run(2 * BLOCK_SIZE)
@@ -282,7 +337,51 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
                     worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
-                    len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]))
+                    len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:6]))
+
+
+def fit_line(moved: np.ndarray, step_us: np.ndarray) -> tuple[float, float, float]:
+    """(intercept, slope, median absolute residual) of the least-squares line step_us = a + b x
+    moved; needs at least two distinct values of `moved`."""
+    if np.unique(moved).size < 2:
+        raise ValueError("a line needs steps with at least two different numbers of moves")
+    slope, intercept = np.polyfit(moved, step_us, 1)
+    residuals = step_us - (intercept + slope * moved)
+    return float(intercept), float(slope), float(np.median(np.abs(residuals)))
+
+
+def measure_budget_fit(num_requests: int, context_tokens: int, budgets: list[int], num_repeats: int,
+                       clock) -> tuple[list[BudgetRow], BudgetFit]:
+    """The paced cadence's reclaimer (`budgeted_config`) at each budget, one warmed run and one
+    cycle per budget and repetition, the budgets' order reversed every other repetition so that
+    a slow spell of the host does not land on one budget; every step that launched plans is a
+    point (tokens moved, the step's reclaim)."""
+    step_us = modelled_step_us(num_requests, context_tokens)
+    by_budget: dict[int, list[RoundStep]] = {budget: [] for budget in budgets}
+    fits = []
+    for repeat_idx in range(num_repeats):
+        steps = []
+        for budget in budgets if repeat_idx % 2 == 0 else budgets[::-1]:
+            run = warmed_run(num_requests, context_tokens, "paced", step_us, seed=repeat_idx, clock=clock,
+                             config=budgeted_config(budget))
+            run.round_steps.clear()
+            time_cycle(run)
+            by_budget[budget] += run.round_steps
+            steps += run.round_steps
+        fits.append(fit_line(np.array([s.num_tokens_moved for s in steps], dtype=np.float64),
+                             1e6 * np.array([s.reclaim_s for s in steps])))
+    rows = [BudgetRow(num_requests, context_tokens, budget, len(steps), float(np.median([s.num_plans for s in steps])),
+                      float(np.median([s.num_tokens_moved for s in steps])), 1e6 * float(np.median([s.reclaim_s for s in steps])),
+                      1e6 * float(np.median([s.evict_s for s in steps])))
+            for budget, steps in by_budget.items() if steps]
+    all_steps = [s for steps in by_budget.values() for s in steps]
+    median = sorted(range(len(fits)), key=lambda i: fits[i][0])[len(fits) // 2]
+    fixed, per_token, residual = fits[median]
+    fit = BudgetFit(num_requests, context_tokens, step_us, len(all_steps), fixed,
+                    (min(f[0] for f in fits), max(f[0] for f in fits)), per_token,
+                    (min(f[1] for f in fits), max(f[1] for f in fits)), residual,
+                    1e6 * float(np.median([s.evict_s for s in all_steps])))
+    return rows, fit
 
 
 def measure_evict_paths(num_requests: int, context_tokens: int, num_steps: int, clock) -> EvictPathRow:
@@ -416,6 +515,23 @@ def format_launching_steps(rows: list[EvictRow]) -> str:
     return table(header, lines)
 
 
+def format_budget_fit(rows: list[BudgetRow], fits: list[BudgetFit]) -> str:
+    header = (f"{'requests x context':<18} {'budget':>6} {'steps':>5} {'plans':>5} {'moved':>6} {'reclaim us':>10} "
+              f"{'evict us':>8}")
+    lines = [f"{size_name(r.num_requests, r.context_tokens):<18} {r.max_moves_per_step:>6,} {r.num_launching_steps:>5} "
+             f"{r.plans:>5.0f} {r.moved:>6,.0f} {r.round_step_us:>10.0f} {r.evict_us:>8.0f}" for r in rows]
+    lines.append("")
+    for f in fits:
+        target_us = TARGET_STEP_SHARE * f.modelled_step_us
+        lines.append(f"{size_name(f.num_requests, f.context_tokens)}: a round step's reclaim = {f.fixed_us:.0f} us "
+                     f"({f.fixed_range_us[0]:.0f}-{f.fixed_range_us[1]:.0f}) + {1000 * f.us_per_token:.0f} us per 1,000 tokens moved "
+                     f"({1000 * f.us_per_token_range[0]:.0f}-{1000 * f.us_per_token_range[1]:.0f}), {f.num_steps} steps, "
+                     f"median residual {f.median_abs_residual_us:.0f} us; 1% of the step {target_us:.0f} us, its evictions "
+                     f"{f.evict_us:.0f}: " + (f"up to {f.max_moves_within_target:,} moves a step fit" if f.max_moves_within_target
+                                               else "no round step fits, whatever it moves"))
+    return table(header, lines)
+
+
 def format_evict_paths(rows: list[EvictPathRow]) -> str:
     header = (f"{'requests x context':<18} {'per table us/step':>17} {'evict_one_each us/step':>22} {'x per table':>11} "
               f"{'find + shift alone us/step':>26} {'% of evict_one_each':>19}")
@@ -450,12 +566,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", help="only these requests x context, e.g. 64x8K,1024x8K, or tiny sizes such as 4x1K")
     parser.add_argument("--cadences", default=",".join(DEFAULT_CADENCES), help=f"of {', '.join(CADENCES)}")
     parser.add_argument("--wall", action="store_true", help="wall time (time.perf_counter) instead of CPU time")
+    parser.add_argument("--fit-budgets", metavar="B1,B2,...",
+                        help="fit a round step's fixed cost and cost per token moved over these budgets (tokens a step)")
     args = parser.parse_args()
     args.cadences = [c.strip() for c in args.cadences.split(",")]
     if bad := [c for c in args.cadences if c not in CADENCES]:
         parser.error(f"--cadences: {', '.join(bad)} is not one of {', '.join(CADENCES)}")
     if args.repeats <= 0:
         parser.error(f"--repeats must be > 0, got {args.repeats}")
+    if args.fit_budgets is not None:
+        try:
+            args.fit_budgets = [int(b) for b in args.fit_budgets.split(",")]
+        except ValueError:
+            parser.error(f"--fit-budgets: '{args.fit_budgets}' is not a list of integers, e.g. 256,512,1024,2048")
+        if min(args.fit_budgets) < 2 * BLOCK_SIZE or len(set(args.fit_budgets)) < 2:
+            parser.error(f"--fit-budgets: needs at least two different budgets of at least {2 * BLOCK_SIZE} tokens, "
+                         f"got {','.join(map(str, args.fit_budgets))}")
     args.scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
     if args.sizes:
         args.scenarios = tuple(parse_size(parser, size, args.scenarios) for size in args.sizes.split(","))
@@ -479,12 +605,20 @@ def main() -> None:
     clock = time.perf_counter if args.wall else time.process_time
     num_repeats = 1 if args.quick else args.repeats
     started = time.perf_counter()
-    growth, evicts, paths = [], [], []
+    growth, evicts, paths, budget_rows, fits = [], [], [], [], []
     for num_requests, context_tokens, num_growth_steps, num_window_steps in args.scenarios:
         print(f"{size_name(num_requests, context_tokens)} ...", flush=True)
         growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
         paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
         evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock) for cadence in args.cadences]
+        if args.fit_budgets:
+            try:
+                rows, fit = measure_budget_fit(num_requests, context_tokens, args.fit_budgets, num_repeats, clock)
+            except ValueError as error:
+                print(f"bench_substrate: --fit-budgets at {size_name(num_requests, context_tokens)}: {error}", file=sys.stderr)
+                raise SystemExit(1) from None
+            budget_rows += rows
+            fits.append(fit)
     moves_size = args.scenarios[0][:2] if args.sizes else (64, 8192)
     moves = measure_moves(*moves_size, 50 if args.quick or args.sizes else 200)
     print("\ngrowth + slots(), no eviction (us per step, all requests)")
@@ -498,6 +632,11 @@ def main() -> None:
           "us): planning, the I4 check (check_round), launching (destinations, copies launched and polled), landing "
           "(moves applied, emptied blocks released and freed), and their sum; plans and moved: the median step's")
     print(format_launching_steps(evicts))
+    if fits:
+        print("\na round step against the tokens it moved: the paced cadence's reclaimer at each budget, the steps that "
+              "launched plans over every repetition (medians: plans, moved, their reclaim, the step's evictions), then the "
+              "least-squares line of reclaim on moves")
+        print(format_budget_fit(budget_rows, fits))
     print("\na step's evictions, one evict_tokens per request against one evict_one_each, and finding and shifting "
           "each slot list's entry alone (us per step)")
     print(format_evict_paths(paths))
@@ -515,6 +654,8 @@ def main() -> None:
                                       worst_step_share=r.worst_step_share, paced_moves_per_step=paced_moves_per_step(r.modelled_step_us))
                                  for r in evicts],
                        "evict_paths": [asdict(r) for r in paths],
+                       "budget_fit": {"budgets": [asdict(r) for r in budget_rows],
+                                      "fits": [dict(asdict(f), max_moves_within_target=f.max_moves_within_target) for f in fits]},
                        "moves": [asdict(m) for m in moves]}, out, indent=2)
 
 

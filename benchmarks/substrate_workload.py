@@ -65,15 +65,19 @@ def paced_moves_per_step(step_us: float) -> int:
 
 def reclaim_config(cadence: str, step_us: float, mode: str = "hole-fill") -> ReclaimConfig:
     if cadence == "paced":
-        num_moves = paced_moves_per_step(step_us)
-        # B x S = 1.25 x the budget: the last blocks of a request are mostly full (recent tokens),
-        # so one plan usually fills the step alone (a plan's fixed cost, a few dozen numpy calls,
-        # outweighs its moves); a step moves at most max(budget, B x S) = 1.25 x the budget
-        return ReclaimConfig(mode=mode, check_interval_steps=1, max_moves_per_step=num_moves,
-                             max_src_blocks=max(2, 5 * num_moves // (4 * BLOCK_SIZE)))
+        return budgeted_config(paced_moves_per_step(step_us), mode)
     if cadence == "whole-round":
         return ReclaimConfig(mode=mode, max_moves_per_step=None)
     return ReclaimConfig(mode=mode)
+
+
+def budgeted_config(num_moves: int, mode: str = "hole-fill") -> ReclaimConfig:
+    """The paced cadence's reclaimer at a budget of `num_moves` tokens a step: the gate checked
+    every step, and B x S = 1.25 x the budget: the last blocks of a request are mostly full
+    (recent tokens), so one plan usually fills the step alone (a plan's fixed cost, a few dozen
+    numpy calls, outweighs its moves); a step moves at most max(budget, B x S) = 1.25 x the budget."""
+    return ReclaimConfig(mode=mode, check_interval_steps=1, max_moves_per_step=num_moves,
+                         max_src_blocks=max(2, 5 * num_moves // (4 * BLOCK_SIZE)))
 
 
 def num_pool_blocks(num_requests: int, context_tokens: int, num_steps: int) -> int:
@@ -149,8 +153,9 @@ def choose_victims(tables: list[TokenTable], rng: np.random.Generator, pattern: 
 
 
 class RoundStep(NamedTuple):
-    """A step whose reclamation launched plans: how many, the tokens they moved, and the
-    seconds of each part of it (`EvictingRun.reclaim`)."""
+    """A step whose reclamation launched plans: how many, the tokens they moved, the seconds
+    of each part of it (`EvictingRun.reclaim`), and the seconds of the step's evictions before
+    it (0 for a reclaim called outside `step`)."""
 
     num_plans: int
     num_tokens_moved: int
@@ -158,6 +163,11 @@ class RoundStep(NamedTuple):
     check_s: float
     launch_s: float
     land_s: float
+    evict_s: float
+
+    @property
+    def reclaim_s(self) -> float:
+        return self.plan_s + self.check_s + self.launch_s + self.land_s
 
 
 class EvictingRun:
@@ -186,6 +196,7 @@ class EvictingRun:
         # (moves applied, emptied blocks released and freed); a caller that clears it counts
         # plans and moves from there on
         self.round_steps: list[RoundStep] = []
+        self._evict_s = 0.0  # the running step's evictions, for its RoundStep
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -240,7 +251,7 @@ class EvictingRun:
         landed = clock()
         num_moved = sum(plan.num_tokens_moved for plan in completed)
         self.round_steps.append(RoundStep(len(completed), num_moved, planned - started, checked - planned, launched - checked,
-                                          landed - launched))
+                                          landed - launched, self._evict_s))
         self.num_tokens_moved += num_moved
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
 
@@ -256,7 +267,9 @@ class EvictingRun:
         evicted = clock()
         self.is_round_step = self.every_step or self.reclaimer.is_eligible(self.step_idx)
         if self.is_round_step:
+            self._evict_s = evicted - grown
             self.reclaim()
+            self._evict_s = 0.0
         reclaimed = clock()
         for table in self.tables:
             table.slots()

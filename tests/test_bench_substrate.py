@@ -26,7 +26,7 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     completed = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_substrate.py"), "--sizes", "4x1K", "--repeats", "2",
-         "--cadences", "default,paced", "--json", str(out)],
+         "--cadences", "default,paced", "--fit-budgets", "32,64", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600, check=False)
     assert completed.returncode == 0, completed.stderr
     for heading in ("growth + slots()", "one eviction per request per step", "one evict_one_each", "tokens moved per freed block",
@@ -55,6 +55,45 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
     assert "find + shift alone us/step" in completed.stdout
     assert [(row["num_requests"], row["context_tokens"]) for row in result["evict_paths"]] == [(4, 1024)]
     assert all(row["find_shift_us"] > 0 for row in result["evict_paths"])
+    # the budget fit: a row per budget of the steps that launched plans, and one line per size
+    assert "a round step against the tokens it moved" in completed.stdout
+    budget_rows, (fit,) = result["budget_fit"]["budgets"], result["budget_fit"]["fits"]
+    assert [row["max_moves_per_step"] for row in budget_rows] == [32, 64]
+    for row in budget_rows:
+        assert row["num_launching_steps"] >= 2 and row["plans"] >= 1 and row["round_step_us"] > 0 and row["evict_us"] > 0
+        assert 0 < row["moved"] <= max(row["max_moves_per_step"], 5 * row["max_moves_per_step"] // 4)
+    assert fit["num_steps"] == sum(row["num_launching_steps"] for row in budget_rows)
+    assert fit["fixed_range_us"][0] <= fit["fixed_us"] <= fit["fixed_range_us"][1]
+    assert fit["us_per_token_range"][0] <= fit["us_per_token"] <= fit["us_per_token_range"][1]
+    assert f"a round step's reclaim = {fit['fixed_us']:.0f} us" in completed.stdout
+
+
+def _bench_substrate():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_substrate
+    finally:
+        sys.path.pop(0)
+    return bench_substrate
+
+
+def test_the_budget_fit_recovers_a_line_and_the_moves_that_fit_the_target() -> None:
+    bench = _bench_substrate()
+    rng = np.random.default_rng(0)
+    moved = np.repeat([256.0, 512.0, 1024.0, 2048.0], 25)
+    reclaim_us = 500.0 + 0.3 * moved + rng.normal(0.0, 20.0, moved.size)
+    fixed, per_token, residual = bench.fit_line(moved, reclaim_us)
+    assert abs(fixed - 500.0) < 15 and abs(per_token - 0.3) < 0.015 and 5 < residual < 25
+    with pytest.raises(ValueError, match="two different numbers of moves"):
+        bench.fit_line(np.full(10, 414.0), reclaim_us[:10])
+
+    def fit(fixed_us: float, us_per_token: float, evict_us: float, step_us: float = 100_000.0):
+        return bench.BudgetFit(64, 8192, step_us, 100, fixed_us, (fixed_us, fixed_us), us_per_token,
+                               (us_per_token, us_per_token), 10.0, evict_us)
+
+    assert fit(500.0, 0.25, 100.0).max_moves_within_target == 1600  # (1,000 - 100 - 500) / 0.25
+    assert fit(950.0, 0.25, 100.0).max_moves_within_target == 0  # the fixed cost and evictions exceed 1%
+    assert fit(500.0, -0.1, 100.0).max_moves_within_target == 0  # no positive slope: no bound from it
 
 
 def test_a_bad_size_is_a_one_line_usage_error() -> None:
@@ -62,6 +101,17 @@ def test_a_bad_size_is_a_one_line_usage_error() -> None:
                                capture_output=True, text=True, timeout=120, check=False)
     assert completed.returncode == 2
     assert "--sizes: '64by8K' is not REQUESTSxCONTEXT" in completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+@pytest.mark.parametrize(("budgets", "message"), [("256,x", "is not a list of integers"),
+                                                  ("512,512", "at least two different budgets"),
+                                                  ("16,512", "at least two different budgets of at least 32 tokens")])
+def test_bad_fit_budgets_are_a_one_line_usage_error(budgets: str, message: str) -> None:
+    completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_substrate.py"), "--sizes", "4x1K",
+                                "--fit-budgets", budgets], capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 2
+    assert "--fit-budgets: " in completed.stderr and message in completed.stderr
     assert "Traceback" not in completed.stderr
 
 
@@ -109,7 +159,7 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
         launching = [call for call in calls[num_calls:] if call[0]]
         assert [(step.num_plans, step.num_tokens_moved) for step in run.round_steps[num_logged:]] == launching
         if launching:
-            parts = run.round_steps[-1][2:]
+            parts = run.round_steps[-1][2:6]
             assert min(parts) >= 0 and sum(parts) <= reclaim_s
         check_unique_mapping(run.pool, run.tables)
         for table, live in zip(run.tables, live_before):
