@@ -373,7 +373,7 @@ def measure_budget_fit(num_requests: int, context_tokens: int, budgets: list[int
     rows = [BudgetRow(num_requests, context_tokens, budget, len(steps), float(np.median([s.num_plans for s in steps])),
                       float(np.median([s.num_tokens_moved for s in steps])), 1e6 * float(np.median([s.reclaim_s for s in steps])),
                       1e6 * float(np.median([s.evict_s for s in steps])))
-            for budget, steps in by_budget.items() if steps]
+            for budget, steps in by_budget.items() if steps]  # a budget whose cycles launched nothing has no row, and no point
     all_steps = [s for steps in by_budget.values() for s in steps]
     median = sorted(range(len(fits)), key=lambda i: fits[i][0])[len(fits) // 2]
     fixed, per_token, residual = fits[median]
