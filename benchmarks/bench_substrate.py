@@ -332,12 +332,13 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     median = int(np.argsort(bookkeeping)[len(bookkeeping) // 2])
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
     budget = run.reclaimer.config.max_moves_per_step
-    steps = np.array(launching[median], dtype=np.float64).reshape(-1, len(RoundStep._fields))
-    step_medians = np.median(steps, axis=0) if len(steps) else np.zeros(len(RoundStep._fields))
+    steps = launching[median]
+    plans_moved_parts = np.array([(s.num_plans, s.num_tokens_moved, *s.parts_s) for s in steps], dtype=np.float64).reshape(-1, 6)
+    step_medians = np.median(plans_moved_parts, axis=0) if len(steps) else np.zeros(6)
     return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
                     worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
-                    len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:6]))
+                    len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]))
 
 
 def fit_line(moved: np.ndarray, step_us: np.ndarray) -> tuple[float, float, float]:

@@ -166,8 +166,13 @@ class RoundStep(NamedTuple):
     evict_s: float
 
     @property
+    def parts_s(self) -> tuple[float, float, float, float]:
+        """The reclaim's parts: planning, the I4 check, launching and landing."""
+        return self.plan_s, self.check_s, self.launch_s, self.land_s
+
+    @property
     def reclaim_s(self) -> float:
-        return self.plan_s + self.check_s + self.launch_s + self.land_s
+        return sum(self.parts_s)
 
 
 class EvictingRun:
@@ -196,7 +201,6 @@ class EvictingRun:
         # (moves applied, emptied blocks released and freed); a caller that clears it counts
         # plans and moves from there on
         self.round_steps: list[RoundStep] = []
-        self._evict_s = 0.0  # the running step's evictions, for its RoundStep
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -220,13 +224,13 @@ class EvictingRun:
             self.pool.free(emptied[hit])
             self.num_blocks_freed_by_eviction += hit.size
 
-    def reclaim(self) -> None:
+    def reclaim(self, evict_s: float = 0.0) -> None:
         """Plan, check, launch and land, as the runtime does with synchronous copies
         (`Runtime._reclaim`): the step's plans checked with `check_round` (I4: one `plans_pass`
         call; `check_plan` plan by plan only when it finds something), their moves applied in
         one `apply_moves_each` call at the versions they were checked at, and every block they
         emptied released and freed in one call. A step that launched plans is logged, with the
-        seconds of each part, in `round_steps`."""
+        seconds of each part and `evict_s` (the step's evictions before it), in `round_steps`."""
         clock = self.clock
         started = clock()
         was_in_progress = self.reclaimer.is_round_in_progress
@@ -251,7 +255,7 @@ class EvictingRun:
         landed = clock()
         num_moved = sum(plan.num_tokens_moved for plan in completed)
         self.round_steps.append(RoundStep(len(completed), num_moved, planned - started, checked - planned, launched - checked,
-                                          landed - launched, self._evict_s))
+                                          landed - launched, evict_s))
         self.num_tokens_moved += num_moved
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
 
@@ -267,9 +271,7 @@ class EvictingRun:
         evicted = clock()
         self.is_round_step = self.every_step or self.reclaimer.is_eligible(self.step_idx)
         if self.is_round_step:
-            self._evict_s = evicted - grown
-            self.reclaim()
-            self._evict_s = 0.0
+            self.reclaim(evicted - grown)
         reclaimed = clock()
         for table in self.tables:
             table.slots()

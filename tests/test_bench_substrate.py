@@ -159,8 +159,8 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
         launching = [call for call in calls[num_calls:] if call[0]]
         assert [(step.num_plans, step.num_tokens_moved) for step in run.round_steps[num_logged:]] == launching
         if launching:
-            parts = run.round_steps[-1][2:6]
-            assert min(parts) >= 0 and sum(parts) <= reclaim_s
+            step = run.round_steps[-1]
+            assert min(step.parts_s) >= 0 and step.reclaim_s <= reclaim_s and 0 < step.evict_s
         check_unique_mapping(run.pool, run.tables)
         for table, live in zip(run.tables, live_before):
             check_conservation(table.req_id, live, table.live_token_ids()[: live.size])
