@@ -333,8 +333,8 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
     budget = run.reclaimer.config.max_moves_per_step
     steps = launching[median]
-    plans_moved_parts = np.array([(s.num_plans, s.num_tokens_moved, *s.parts_s) for s in steps], dtype=np.float64).reshape(-1, 6)
-    step_medians = np.median(plans_moved_parts, axis=0) if len(steps) else np.zeros(6)
+    columns = [(s.num_plans, s.num_tokens_moved, *s.parts_s) for s in steps]  # plans, moved, then the four parts
+    step_medians = np.median(np.array(columns, dtype=np.float64), axis=0) if steps else np.zeros(6)
     return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
                     worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
