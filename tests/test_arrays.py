@@ -6,25 +6,13 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken.kv.arrays import block_slots, by_group, count_by_block, is_distinct, isin, positions_in, sum_by_block
+from vtoken.kv.arrays import block_slots, count_by_block, is_distinct, isin, positions_in, sum_by_block
 
 # both of the helpers' paths: a dict up to 64 entries, a sort beyond
 block_lists = st.lists(st.integers(0, 300), max_size=200)
-
-
-@settings(max_examples=200, deadline=None)
-@given(pairs=st.sets(st.tuples(st.integers(0, 40), st.integers(0, 5000)), max_size=300))
-@example(pairs=[(1, 0), (0, 5)])  # the largest value of one group and the smallest of the next
-def test_an_argsort_of_by_group_orders_distinct_pairs_as_lexsort_does(pairs) -> None:
-    pairs = list(pairs)  # a set's order: the pairs come unsorted
-    groups = np.array([g for g, _ in pairs], dtype=np.int64)
-    values = np.array([v for _, v in pairs], dtype=np.int64)
-    keys = by_group(groups, values)
-    assert np.unique(keys).size == len(pairs)  # distinct pairs, distinct keys
-    assert np.argsort(keys).tolist() == np.lexsort((values, groups)).tolist()
 
 
 @settings(max_examples=200, deadline=None)

@@ -14,6 +14,7 @@ from vtoken.invariants import (
     check_conservation,
     check_contents,
     check_plan,
+    check_round,
     check_unique_mapping,
     check_visibility,
     plans_pass,
@@ -303,6 +304,32 @@ def test_a_plan_that_moves_tokens_other_than_its_sources_live_ones_raises(rows, 
     with raises("I4", match):
         check_plan(bad, table, pool, frozenset())
     assert not plans_pass([bad], [table], pool, frozenset())  # the round check finds it too
+
+
+@pytest.mark.parametrize(("rows", "src_block_ids"), [
+    ([(8, 2, 0, 16, 1), (9, 2, 1, 0, 2)], [2]),  # a destination past the pool's 16 blocks
+    ([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2)], [99]),  # a source past it
+    ([(8, 2, 0, 0, 1), (9, 2, 1, 0, 2 + S)], [2]),  # an offset past the block
+])
+def test_a_plan_naming_a_block_or_offset_outside_the_pool_does_not_pass_the_round_check(rows, src_block_ids) -> None:
+    """The compiled round check reads the pool's arrays at the plans' blocks without numpy's
+    bounds checks: an index outside them fails the check before any read, and check_round then
+    raises (check_plan's error)."""
+    pool, table, plan = holey_setup()
+    bad = replace(plan, moves=moves(rows), src_block_ids=np.array(src_block_ids))
+    assert not plans_pass([bad], [table], pool, frozenset())
+    with pytest.raises((InvariantError, IndexError)):
+        check_round([bad], [table], pool, frozenset())
+
+
+def test_landing_moves_into_a_block_outside_the_pool_raises_and_changes_nothing() -> None:
+    pool, table, plan = holey_setup()
+    counts, token_at, slots = pool.live_counts.copy(), pool.token_at.copy(), table.slots().copy()
+    bad = moves([(8, 2, 0, 16, 1), (9, 2, 1, 0, 2)])
+    with pytest.raises(VTokenError, match=r"moves name block ids outside the pool's \[0, 16\)"):
+        TokenTable.apply_moves_each([table], [bad], [table.layout_version])  # checked at its version: not checked again
+    assert np.array_equal(pool.live_counts, counts) and np.array_equal(pool.token_at, token_at)
+    assert np.array_equal(table.slots(), slots)
 
 
 def test_moves_checked_at_the_tables_version_are_not_checked_again_and_any_change_brings_the_check_back(monkeypatch) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vtoken.errors import InvariantError
-from vtoken.kv.arrays import by_group, is_distinct, isin
+from vtoken.kv.arrays import is_distinct, isin
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.token_table import TokenTable
@@ -194,8 +194,8 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
                busy_req_ids: frozenset[int]) -> bool:
     """Whether `check_plan` passes every plan of a round in turn, each launched before the next
     is checked (its request busy from then on): check_plan's conditions over the round's arrays
-    at once, a few dozen numpy calls for the round (the moved tokens' live bits and slots read
-    in the pool's token arena, one gather each) instead of a few dozen calls per plan.
+    at once, one compiled pass for the round (compiled.round_passes: the moved tokens' live bits
+    and slots read in the pool's token arena) instead of a few dozen numpy calls per plan.
     `tables[i]` is the table of `plans[i]`.
 
     It only answers: on False the caller runs `check_plan` plan by plan, for the violation's
@@ -221,52 +221,24 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
         num_tokens.append(table.num_tokens)
     moves = [plan.moves for plan in plans]
     token_ids, move_of = _concatenated([m.token_ids for m in moves])
-    max_tokens = max(num_tokens)
-    if token_ids.size and ((token_ids < 0) | (token_ids >= np.array(num_tokens)[move_of])).any():
-        return False
-    move_keys = by_group(move_of, token_ids, max_tokens + 1)  # ascending when each plan's tokens do
-    if not is_distinct(move_keys):
-        return False
-    # every moved token's live bit and slot, read in the pool's arena at once (token_arena.py)
-    at = pool.token_arena.entries(tables, token_ids, move_of)
-    src_blocks, dst_blocks = np.concatenate([m.src_block_ids for m in moves]), np.concatenate([m.dst_block_ids for m in moves])
-    if not pool.token_arena.live[at].all():
-        return False
-    if (pool.token_arena.slot[at] != src_blocks * block_size + np.concatenate([m.src_offsets for m in moves])).any():
-        return False
-    # one label per block: the plan whose table holds it, whose sources or new blocks it is in
     sources, source_of = _concatenated([plan.src_block_ids for plan in plans])
     new_blocks, new_of = _concatenated([plan.dst_new_block_ids for plan in plans])
     held_blocks, holder_of = _concatenated(held)
-    # Pool-sized label arrays, the pool's scratch, written only where they are read (a block
-    # the round names): filling them whole wrote every cache line of three pool-sized arrays
-    # each round, and fresh ones paid the first touch of every page the round wrote.
-    touched, touched_of = np.concatenate((sources, dst_blocks)), np.concatenate((source_of, move_of))
-    read_at = np.concatenate((touched, src_blocks))  # every block the checks below look up
-    holder, source, new = (pool.scratch(name, np.int64) for name in ("plans_pass holder", "plans_pass source", "plans_pass new"))
-    holder[read_at] = source[read_at] = new[read_at] = -1
-    holder[held_blocks], source[sources], new[new_blocks] = holder_of, source_of, new_of
-    forbidden = pool.scratch("plans_pass forbidden", bool)  # pinned, or an open tail (as a source)
-    forbidden[touched] = False
-    forbidden[np.concatenate(pinned)] = True
-    if (((pool.ref_counts[touched] > 1) & (new[touched] != touched_of)) | forbidden[touched]).any():
-        return False
-    forbidden[np.array(open_tails, dtype=np.int64)] = True
-    if (holder[sources] != source_of).any() or forbidden[sources].any():
-        return False
-    if (source[src_blocks] != move_of).any():
-        return False
-    num_src_live = np.bincount(source_of, weights=pool.live_counts[sources], minlength=num_plans)
-    if (num_src_live != np.bincount(move_of, minlength=num_plans)).any():
-        return False
-    if (((holder[dst_blocks] != move_of) & (new[dst_blocks] != move_of)) | (source[dst_blocks] == move_of)).any():
-        return False
-    dst_slots = dst_blocks * block_size + np.concatenate([m.dst_offsets for m in moves])
-    occupant = pool.token_at[dst_slots]
-    occupied = occupant >= 0
-    if occupied.any() and not isin(by_group(move_of[occupied], occupant[occupied], max_tokens + 1), move_keys).all():
-        return False
-    return is_distinct(dst_slots)
+    # the moved tokens' live bits and slots are read in the pool's arena (token_arena.py); the
+    # block labels are written in pool-sized arrays the pool keeps, only where they are read: a
+    # fresh pool-sized array would pay the first touch of every page the round writes
+    from vtoken.kv.compiled import round_passes
+
+    arena = pool.token_arena
+    return round_passes(
+        num_plans, np.array(num_tokens, dtype=np.int64), token_ids, move_of,
+        np.concatenate([m.src_block_ids for m in moves]), np.concatenate([m.src_offsets for m in moves]),
+        np.concatenate([m.dst_block_ids for m in moves]), np.concatenate([m.dst_offsets for m in moves]),
+        arena.entries(tables, token_ids, move_of), arena.live, arena.slot, sources, source_of, new_blocks, new_of,
+        held_blocks, holder_of, np.concatenate(pinned), np.array(open_tails, dtype=np.int64), pool.ref_counts,
+        pool.live_counts, pool.token_at, *(pool.scratch(name, np.int64) for name in ("plans_pass holder", "plans_pass source",
+                                                                                      "plans_pass new")),
+        pool.scratch("plans_pass forbidden", bool), block_size)
 
 
 def check_round(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], pool: BlockPool,

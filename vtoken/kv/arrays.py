@@ -10,18 +10,6 @@ def block_slots(block_ids: np.ndarray, block_size: int) -> np.ndarray:
     return (np.asarray(block_ids, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).ravel()
 
 
-def by_group(groups: np.ndarray, values: np.ndarray, num_values: int | None = None) -> np.ndarray:
-    """One int64 key per (group, value) pair of non-negative integers, values below
-    `num_values` (default: the largest value plus one), that orders the pairs as
-    `np.lexsort((values, groups))` does: by group, then by value. Distinct pairs get distinct
-    keys, so one `argsort` of them gives lexsort's order in one sort where lexsort runs one per
-    column."""
-    if values.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    stride = int(values.max()) + 1 if num_values is None else num_values
-    return groups.astype(np.int64) * stride + values
-
-
 def is_distinct(values: np.ndarray) -> bool:
     """No value repeats (cheap when `values` ascends, as the planners' arrays do; else a set
     for a few dozen values, a sort for more)."""

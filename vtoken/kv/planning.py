@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vtoken.kv.arrays import by_group
 from vtoken.kv.block_pool import NO_BLOCKS, BlockPool
 from vtoken.kv.moves import Moves, RelocationPlan
 from vtoken.kv.token_table import TokenTable
@@ -44,25 +43,20 @@ class Movables:
 
     @classmethod
     def of(cls, tables: list[TokenTable]) -> Movables:
-        """One numpy pass over every request's held blocks (a slice per request, then the pool's
-        ref counts and live counts read once for all of them)."""
+        """One compiled pass over every request's candidate blocks (compiled.movable_blocks),
+        their ref counts and live counts read in the pool's arrays."""
+        from vtoken.kv.compiled import movable_blocks
+
         pool, block_size = tables[0].pool, tables[0].block_size
-        held = []
+        held, sizes = [], []
         for table in tables:
-            table_held = table.held_block_ids
-            end = table_held.size - (table_held.size > table.num_pinned_blocks and table.tail_num_written < block_size)
-            held.append(table_held[table.num_pinned_blocks : end])
-        block_ids = np.concatenate(held)
-        request_of = np.repeat(np.arange(len(held)), [h.size for h in held])
-        unshared = pool.ref_counts[block_ids] == 1
-        block_ids = block_ids[unshared]
-        sizes = np.bincount(request_of[unshared], minlength=len(held))
-        ends = np.cumsum(sizes)
-        starts = ends - sizes
-        live_counts = pool.live_counts[block_ids]
-        live_before = np.concatenate(([0], np.cumsum(live_counts)))
-        num_live = live_before[ends] - live_before[starts]
-        return cls(tables, block_ids, live_counts, starts, ends, num_live, (ends - starts) - -(-num_live // block_size))
+            start, end = table.num_pinned_blocks, table.num_blocks
+            end -= end > start and table.tail_num_written < block_size
+            table_held = table.held_block_ids[start:end]
+            held.append(table_held)
+            sizes.append(table_held.size)
+        return cls(tables, *movable_blocks(np.concatenate(held), np.array(sizes, dtype=np.int64), pool.ref_counts,
+                                           pool.live_counts, block_size))
 
 
 def num_reclaimable_blocks(table: TokenTable) -> int:
@@ -85,8 +79,8 @@ def plan_hole_fill(table: TokenTable, max_src_blocks: int, movable: Movables | N
 
 
 def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[RelocationPlan | None]:
-    """The hole-fill plan of every request of `movables` (None where it has none), with a fixed
-    number of numpy calls over all their blocks, not a few dozen per request.
+    """The hole-fill plan of every request of `movables` (None where it has none), in one
+    compiled pass over all their blocks (compiled.hole_fill_plans).
 
     Per request, over its movable blocks in order (positions i = 0..n-1): the last blocks are
     sources while the live tokens of the last 1, 2, ... of them fit in the holes before them, up
@@ -95,66 +89,23 @@ def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[Relocat
     positions from the end. Their live tokens, in logical order, fill the first holes of the
     kept blocks, in block order and offsets ascending; the moves pair them in that order.
     """
-    block_size, pool = movables.tables[0].block_size, movables.tables[0].pool
-    starts, ends = movables.starts, movables.ends
-    sizes = ends - starts
-    planned = (movables.num_reclaimable > 0) & (sizes >= 2)
+    from vtoken.kv.compiled import hole_fill_plans
+
+    table0 = movables.tables[0]
+    num_src, num_moves, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources = hole_fill_plans(
+        movables.block_ids, movables.live_counts, movables.starts, movables.ends,
+        movables.num_reclaimable, table0.pool.token_at, table0.block_size, max_src_blocks)
     plans: list[RelocationPlan | None] = [None] * len(movables.tables)
-    if not planned.any():
-        return plans
-    request_of = np.repeat(np.arange(sizes.size), sizes)  # the request of each movable block
-    position = np.arange(request_of.size) - starts[request_of]
-    live = movables.live_counts.astype(np.int64)
-    live_before = np.cumsum(live) - live  # live tokens before each block, over all requests
-    holes_before = np.cumsum(block_size - live) - (block_size - live)
-    live_before_in = live_before - live_before[starts][request_of]  # ... within its request
-    holes_before_in = holes_before - holes_before[starts][request_of]
-    live_from = movables.num_live[request_of] - live_before_in  # live tokens in [i, n)
-    num_from_end = sizes[request_of] - position  # sources if the run starts here (n - i)
-    max_src = np.minimum(max_src_blocks, sizes - 1)
-    stops = (live_from > holes_before_in) | (num_from_end > max_src[request_of])
-    # the run from the end stops at the last position that cannot start it (position 0 always
-    # stops it: it would leave no block to fill)
-    last_stop = np.full(sizes.size, -1, dtype=np.int64)
-    np.maximum.at(last_stop, request_of[stops], position[stops])
-    num_src = np.where(planned, sizes - 1 - last_stop, 0)
-    planned &= num_src > 0
-    if not planned.any():
-        return plans
-    is_src = position >= (sizes - num_src)[request_of]
-    is_src &= planned[request_of]
-    num_moves = np.where(planned, live_from[np.minimum(ends - num_src, request_of.size - 1)], 0)
-    # the sources' live tokens, in logical order per request: the reverse map's rows of the
-    # source blocks, read in one gather; a flat index into them is (row, offset)
-    token_at = pool.token_at.reshape(-1, block_size)
-    src_blocks, src_request = movables.block_ids[is_src], request_of[is_src]
-    src_rows = token_at[src_blocks]
-    live_at = np.flatnonzero(src_rows >= 0)
-    token_ids, src_row = src_rows.ravel()[live_at], live_at // block_size
-    order = np.argsort(by_group(src_request[src_row], token_ids))
-    token_ids, src_block_of, src_offset_of = token_ids[order], src_blocks[src_row[order]], (live_at % block_size)[order]
-    # the holes: only kept blocks of a planned request whose free slots before them fall short
-    # of its moves, and that have a free slot
-    need = num_moves[request_of]
-    is_dst = ~is_src & planned[request_of] & (holes_before_in < need) & (live < block_size)
-    dst_blocks, dst_request = movables.block_ids[is_dst], request_of[is_dst]
-    hole_at = np.flatnonzero(token_at[dst_blocks] < 0)
-    dst_row = hole_at // block_size
-    hole_request = dst_request[dst_row]  # ascends: a request's holes are a run
-    num_holes = np.bincount(hole_request, minlength=sizes.size)
-    rank = np.arange(hole_request.size) - (np.cumsum(num_holes) - num_holes)[hole_request]
-    used = rank < num_moves[hole_request]
-    dst_block_of, dst_offset_of = dst_blocks[dst_row[used]], hole_at[used] % block_size
-    src_blocks_sorted = src_blocks[np.argsort(by_group(src_request, src_blocks))]
-    move_ends = np.cumsum(num_moves)
-    src_ends = np.cumsum(num_src)
-    move_ends, num_moves, src_ends, num_src = move_ends.tolist(), num_moves.tolist(), src_ends.tolist(), num_src.tolist()
-    for k in np.flatnonzero(planned).tolist():
+    first_move = first_src = 0
+    for k, (num_k_src, num_k_moves) in enumerate(zip(num_src.tolist(), num_moves.tolist())):
+        if num_k_src == 0:
+            continue
         table = movables.tables[k]
-        a, b = move_ends[k] - num_moves[k], move_ends[k]
-        moves = Moves(token_ids[a:b], src_block_of[a:b], src_offset_of[a:b], dst_block_of[a:b], dst_offset_of[a:b])
-        sources = src_blocks_sorted[src_ends[k] - num_src[k] : src_ends[k]]
-        plans[k] = RelocationPlan(table.req_id, "hole-fill", moves, sources, NO_BLOCKS, table.layout_version)
+        a, b = first_move, first_move + num_k_moves
+        moves = Moves(token_ids[a:b], src_blocks[a:b], src_offsets[a:b], dst_blocks[a:b], dst_offsets[a:b])
+        plans[k] = RelocationPlan(table.req_id, "hole-fill", moves, sources[first_src : first_src + num_k_src], NO_BLOCKS,
+                                  table.layout_version)
+        first_move, first_src = b, first_src + num_k_src
     return plans
 
 

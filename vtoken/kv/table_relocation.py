@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vtoken.errors import VTokenError
-from vtoken.kv.arrays import block_slots, is_distinct, isin, positions_in, sum_by_block
+from vtoken.kv.arrays import block_slots, is_distinct, isin, positions_in
 from vtoken.kv.block_pool import NO_BLOCKS
 from vtoken.kv.moves import Moves
 
@@ -96,8 +96,12 @@ class RelocationVerbs:
             src_blocks, dst_blocks, src_slots, token_ids = src_blocks[live], dst_blocks[live], src_slots[live], token_ids[live]
         # the pool's side: live tokens leave their sources and join their destinations
         if token_ids.size:
-            blocks, deltas = sum_by_block(np.concatenate((src_blocks, dst_blocks)),
-                                          np.concatenate((np.full(token_ids.size, -1, np.int64), np.ones(token_ids.size, np.int64))))
+            from vtoken.kv.compiled import move_deltas
+
+            blocks, deltas, within = move_deltas(src_blocks, dst_blocks, pool.scratch("apply_moves delta", np.int64),
+                                                 pool.scratch("apply_moves seen", bool))
+            if not within:
+                raise VTokenError(f"moves name block ids outside the pool's [0, {pool.num_blocks})")
             pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
             token_at = pool.token_at
             token_at[src_slots] = -1  # every source first: a destination may be another's source

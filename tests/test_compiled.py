@@ -1,0 +1,149 @@
+"""The round step's compiled loops (vtoken/kv/compiled.py) against plain Python written from
+their rules, on random layouts. The runtime's own results with them are pinned by the goldens;
+the round check is compared with check_plan in tests/test_reclaim.py."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vtoken.kv.compiled import hole_fill_plans, move_deltas, movable_blocks
+
+S = 4
+# one request: its blocks' slots, each a live token (True) or a hole (False)
+requests = st.lists(st.lists(st.lists(st.booleans(), min_size=S, max_size=S), min_size=1, max_size=8),
+                    min_size=1, max_size=5)
+
+
+def layout(blocks_of: list[list[list[bool]]], seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Block ids (shuffled over the pool), the reverse map (a request's live tokens numbered in
+    a shuffled order), live counts, and each request's [start, end) among the blocks."""
+    rng = np.random.default_rng(seed)
+    num_blocks = sum(len(blocks) for blocks in blocks_of)
+    block_ids = rng.permutation(num_blocks + 3)[:num_blocks].astype(np.int64)
+    token_at = np.full((num_blocks + 3) * S, -1, dtype=np.int64)
+    live_counts = np.zeros(num_blocks + 3, dtype=np.int32)
+    bounds, position = [], 0
+    for blocks in blocks_of:
+        ids = iter(rng.permutation(len(blocks) * S).tolist())
+        for slots in blocks:
+            b = int(block_ids[position])
+            for offset, is_live in enumerate(slots):
+                if is_live:
+                    token_at[b * S + offset] = next(ids)
+            live_counts[b] = sum(slots)
+            position += 1
+        bounds.append((position - len(blocks), position))
+    return block_ids, token_at, live_counts, np.array(bounds, dtype=np.int64).reshape(-1, 2)
+
+
+def reference_plan(blocks: list[int], token_at: np.ndarray, max_src_blocks: int) -> tuple[list[int], list[tuple]]:
+    """Sources: the longest run of last blocks whose live tokens fit in the holes before them (at
+    most min(B, n - 1)); moves: their live tokens by id, into the kept blocks' holes in order."""
+    def live(b):
+        return [(int(token_at[b * S + o]), b, o) for o in range(S) if token_at[b * S + o] >= 0]
+
+    def holes(b):
+        return [(b, o) for o in range(S) if token_at[b * S + o] < 0]
+
+    n, num_src = len(blocks), 0
+    for m in range(1, min(max_src_blocks, n - 1) + 1):
+        if sum(len(live(b)) for b in blocks[n - m:]) > sum(len(holes(b)) for b in blocks[: n - m]):
+            break
+        num_src = m
+    if num_src == 0:
+        return [], []
+    tokens = sorted(t for b in blocks[n - num_src:] for t in live(b))
+    targets = [h for b in blocks[: n - num_src] for h in holes(b)][: len(tokens)]
+    return sorted(blocks[n - num_src:]), [(t, b, o, db, do) for (t, b, o), (db, do) in zip(tokens, targets)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks_of=requests, seed=st.integers(0, 2**16), max_src_blocks=st.integers(2, 6))
+def test_hole_fill_plans_are_the_rules_plans(blocks_of, seed, max_src_blocks) -> None:
+    block_ids, token_at, live_counts, bounds = layout(blocks_of, seed)
+    sizes = bounds[:, 1] - bounds[:, 0]
+    ids, counts, starts, ends, num_live, num_reclaimable = movable_blocks(
+        block_ids, sizes, np.ones(live_counts.size, np.int32), live_counts, S)
+    assert ids.tolist() == block_ids.tolist() and counts.tolist() == live_counts[block_ids].tolist()
+    num_src, num_moves, tokens, src_b, src_o, dst_b, dst_o, sources = hole_fill_plans(
+        ids, counts, starts, ends, num_reclaimable, token_at, S, max_src_blocks)
+    first_move = first_src = 0
+    for k, (start, end) in enumerate(bounds.tolist()):
+        assert num_live[k] == live_counts[block_ids[start:end]].sum()
+        assert num_reclaimable[k] == (end - start) - -(-num_live[k] // S)
+        want_sources, want_moves = (reference_plan(block_ids[start:end].tolist(), token_at, max_src_blocks)
+                                    if num_reclaimable[k] > 0 else ([], []))
+        got = slice(first_move, first_move + num_moves[k])
+        assert sources[first_src : first_src + num_src[k]].tolist() == want_sources
+        assert list(zip(*(a[got].tolist() for a in (tokens, src_b, src_o, dst_b, dst_o)))) == want_moves
+        first_move, first_src = got.stop, first_src + num_src[k]
+    assert first_move == tokens.size and first_src == sources.size
+
+
+@settings(max_examples=100, deadline=None)
+@given(blocks_of=requests, seed=st.integers(0, 2**16), shared=st.sets(st.integers(0, 39)))
+def test_movable_blocks_leave_out_shared_blocks(blocks_of, seed, shared) -> None:
+    block_ids, _, live_counts, bounds = layout(blocks_of, seed)
+    ref_counts = np.ones(live_counts.size, np.int32)
+    ref_counts[[b for b in shared if b < ref_counts.size]] = 2
+    ids, counts, starts, ends, num_live, num_reclaimable = movable_blocks(
+        block_ids, bounds[:, 1] - bounds[:, 0], ref_counts, live_counts, S)
+    for k, (start, end) in enumerate(bounds.tolist()):
+        kept = [b for b in block_ids[start:end].tolist() if ref_counts[b] == 1]
+        assert ids[starts[k] : ends[k]].tolist() == kept
+        assert counts[starts[k] : ends[k]].tolist() == live_counts[kept].tolist()
+        assert num_live[k] == live_counts[kept].sum() and num_reclaimable[k] == len(kept) - -(-num_live[k] // S)
+
+
+@settings(max_examples=200, deadline=None)
+@given(src=st.lists(st.integers(0, 30), max_size=60), dst=st.lists(st.integers(0, 30), max_size=60))
+def test_move_deltas_count_each_blocks_moves_out_and_in(src, dst) -> None:
+    delta, seen = np.full(31, 7, np.int64), np.ones(31, bool)  # scratch: whatever the last caller left
+    blocks, changes, within = move_deltas(np.array(src, np.int64), np.array(dst, np.int64), delta, seen)
+    want = collections.Counter(dst)
+    want.subtract(src)
+    assert within
+    assert blocks.tolist() == list(dict.fromkeys(src + dst))  # each block once, as first seen
+    assert dict(zip(blocks.tolist(), changes.tolist())) == dict(want)
+
+
+def test_move_deltas_refuse_a_block_outside_the_scratch() -> None:
+    delta, seen = np.zeros(8, np.int64), np.zeros(8, bool)
+    for src, dst in (([1, 8], [2, 3]), ([1, 2], [3, -1])):
+        *_, within = move_deltas(np.array(src, np.int64), np.array(dst, np.int64), delta, seen)
+        assert not within
+
+
+# vLLM 0.32's CPU worker scans every module attribute this way at init_worker
+# (vllm/triton_utils/dispatcher.py, _rebind_kernels); any value it raises on stops the engine.
+KERNEL_SCAN = """
+import sys
+import numpy as np
+import vtoken.kv.compiled as compiled
+compiled.move_deltas(np.array([0]), np.array([1]), np.zeros(2, np.int32), np.zeros(2, np.bool_))
+failing = []
+for name, module in list(sys.modules.items()):
+    namespace = getattr(module, "__dict__", None)
+    for attr, value in list((namespace or {}).items()):
+        if hasattr(value, "__dict__"):
+            try:
+                vars(value).get("kernel")
+            except Exception as error:
+                failing.append(f"{name}.{attr}: {error!r}")
+print("\\n".join(failing))
+"""
+
+
+def test_a_vllm_worker_can_start_after_the_compiled_loops_ran():
+    """After the compiled loops were imported and ran, the kernel scan a vLLM CPU worker makes
+    reads a dict from every module attribute's vars() (the vLLM tier starts real engines after
+    a round in tests/vllm_tier/test_engine_after_round.py)."""
+    done = subprocess.run([sys.executable, "-c", KERNEL_SCAN], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""

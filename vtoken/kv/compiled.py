@@ -1,0 +1,309 @@
+"""The reclamation round step's loops over a round's blocks and tokens, compiled (numba).
+
+A round step plans, checks and lands the plans of a few requests at once: integer bookkeeping
+over their blocks and moved tokens, no policy rule and no floating point. Written as numpy
+calls over the round's arrays it is a few dozen calls, each a few microseconds whatever it
+does, which set a floor under a round step however few tokens it moves (README, issue 17's
+substrate table). Here each is one loop over the entries it reads.
+
+Imported by its callers when a round first runs: numba and the compilation (cached on disk
+after the first run) are not paid by commands that reclaim nothing. They take the arrays as
+the pool and the tables keep them (int64 ids, int32 counts), so that one compiled version
+serves every call.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite.binding import ffi
+
+
+def _give_llvmlite_a_namespace() -> None:
+    """Make `vars()` of llvmlite's FFI library object a dict, so that vLLM starts beside numba.
+
+    A vLLM 0.32 CPU worker, at `init_worker`, rebinds its Triton kernel overrides by scanning
+    every attribute of every module in `sys.modules` and calling `vars(value).get("kernel")` on
+    each one that has a `__dict__` (vllm/triton_utils/dispatcher.py, `_rebind_kernels`).
+    llvmlite's library object (`llvmlite.binding.ffi.lib`, loaded by numba) has `__slots__` and
+    a `__getattr__` that looks every name up as a symbol of its shared library, so `__dict__`
+    comes back as one of its function wrappers and the scan raises AttributeError: without this,
+    no vLLM engine can start in a process after its first reclamation round. The wrapper caches
+    the names it has looked up in a table, which is read before the library, and an empty dict
+    under `__dict__` there answers the scan with "no kernel". tests/test_compiled.py runs the
+    scan after this module's import and fails if llvmlite changes so that this stops holding.
+    """
+    table = getattr(ffi.lib, "_fntab", None)
+    if isinstance(table, dict) and not isinstance(table.get("__dict__"), dict):
+        table["__dict__"] = {}
+
+
+_give_llvmlite_a_namespace()
+
+
+@numba.njit(cache=True, nogil=True)
+def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token_at, block_size, max_src_blocks):
+    """The hole-fill plans of the requests whose movable blocks are block_ids[starts[k]:ends[k]]
+    (planning.plan_hole_fill_each: the sources are the longest run of blocks from the end
+    whose live tokens fit in the holes before them, at most min(max_src_blocks, n - 1); their
+    live tokens, in logical order, fill the kept blocks' first holes in block order).
+
+    Returns (num_src, num_moves) per request (0 where it has no plan) and, request after
+    request, the moves (token ids, source block and offset, destination block and offset)
+    and the sources, ascending.
+    """
+    num_requests = starts.size
+    num_src = np.zeros(num_requests, np.int64)
+    num_moves = np.zeros(num_requests, np.int64)
+    for k in range(num_requests):
+        start, end = starts[k], ends[k]
+        n = end - start
+        if num_reclaimable[k] <= 0 or n < 2:
+            continue
+        max_src = min(max_src_blocks, n - 1)
+        holes_before = 0  # in [0, i): starts as every block's, then gives back block i's
+        for j in range(start, end):
+            holes_before += block_size - live_counts[j]
+        live_from = 0  # in [i, n)
+        for i in range(n - 1, 0, -1):
+            holes_before -= block_size - live_counts[start + i]
+            live_from += live_counts[start + i]
+            if live_from > holes_before or n - i > max_src:
+                break
+            num_src[k] = n - i
+            num_moves[k] = live_from
+    total_moves, total_src = num_moves.sum(), num_src.sum()
+    token_ids = np.empty(total_moves, np.int64)
+    src_blocks = np.empty(total_moves, np.int64)
+    src_offsets = np.empty(total_moves, np.int64)
+    dst_blocks = np.empty(total_moves, np.int64)
+    dst_offsets = np.empty(total_moves, np.int64)
+    sources = np.empty(total_src, np.int64)
+    first_move, first_src = 0, 0
+    for k in range(num_requests):
+        m, num = num_src[k], num_moves[k]
+        if m == 0:
+            continue
+        end = ends[k]
+        last = first_move
+        for j in range(end - m, end):  # the sources' live tokens, by the reverse map's rows
+            block_id = block_ids[j]
+            sources[first_src + j - (end - m)] = block_id
+            for offset in range(block_size):
+                token_id = token_at[block_id * block_size + offset]
+                if token_id >= 0:
+                    if last == first_move + num:
+                        raise ValueError("a source block holds more tokens than the pool counts live")
+                    token_ids[last], src_blocks[last], src_offsets[last] = token_id, block_id, offset
+                    last += 1
+        stop = first_move + num
+        if last != stop:
+            raise ValueError("a source block holds fewer tokens than the pool counts live")
+        order = np.argsort(token_ids[first_move:stop]) + first_move  # the ids are distinct
+        token_ids[first_move:stop] = token_ids[order]
+        src_blocks[first_move:stop] = src_blocks[order]
+        src_offsets[first_move:stop] = src_offsets[order]
+        sources[first_src : first_src + m] = np.sort(sources[first_src : first_src + m])
+        last = first_move
+        for j in range(starts[k], end - m):  # the kept blocks' holes, in block order
+            if last == stop:
+                break
+            block_id = block_ids[j]
+            for offset in range(block_size):
+                if token_at[block_id * block_size + offset] < 0:
+                    dst_blocks[last], dst_offsets[last] = block_id, offset
+                    last += 1
+                    if last == stop:
+                        break
+        if last != stop:
+            raise ValueError("the kept blocks hold fewer holes than the pool counts")
+        first_move, first_src = stop, first_src + m
+    return num_src, num_moves, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources
+
+
+@numba.njit(cache=True, nogil=True)
+def _is_distinct(values):
+    """No value repeats (one pass when they ascend, as the plans' usually do; else a sort)."""
+    for i in range(1, values.size):
+        if values[i] <= values[i - 1]:
+            ordered = np.sort(values)
+            for j in range(1, ordered.size):
+                if ordered[j] == ordered[j - 1]:
+                    return False
+            return True
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _within(values, end):
+    for value in values:
+        if value < 0 or value >= end:
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _unlabel(holder, source, new, blocks):
+    for b in blocks:
+        holder[b] = -1
+        source[b] = -1
+        new[b] = -1
+
+
+@numba.njit(cache=True, nogil=True)
+def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offsets, dst_blocks, dst_offsets,
+                 at, arena_live, arena_slot, sources, source_of, new_blocks, new_of, held_blocks, holder_of,
+                 pinned_blocks, open_tails, ref_counts, live_counts, token_at, holder, source, new, forbidden, block_size):
+    """invariants.plans_pass's checks over a round's arrays (the plans' moves end to end,
+    `move_of` the plan of each; their sources, fresh blocks and tables' held blocks likewise),
+    one loop each. `holder`, `source`, `new` and `forbidden` are the pool's scratch arrays,
+    written here where they are read. True when every check passes."""
+    num_moves, num_blocks = token_ids.size, ref_counts.size
+    # an index out of the pool would read past its arrays: such a plan does not pass
+    if not (_within(sources, num_blocks) and _within(dst_blocks, num_blocks) and _within(src_blocks, num_blocks)
+            and _within(new_blocks, num_blocks) and _within(held_blocks, num_blocks)
+            and _within(pinned_blocks, num_blocks) and _within(open_tails, num_blocks)):
+        return False
+    for i in range(num_moves):
+        if not (0 <= src_offsets[i] < block_size and 0 <= dst_offsets[i] < block_size):
+            return False
+    max_tokens = 0
+    for k in range(num_plans):
+        max_tokens = max(max_tokens, num_tokens[k])
+    move_keys = np.empty(num_moves, np.int64)
+    for i in range(num_moves):
+        token_id, plan = token_ids[i], move_of[i]
+        if token_id < 0 or token_id >= num_tokens[plan]:
+            return False
+        move_keys[i] = plan * (max_tokens + 1) + token_id
+        if not arena_live[at[i]] or arena_slot[at[i]] != src_blocks[i] * block_size + src_offsets[i]:
+            return False
+    if not _is_distinct(move_keys):
+        return False
+    # one label per block: the plan whose table holds it, whose sources or fresh blocks it is in
+    _unlabel(holder, source, new, sources)
+    _unlabel(holder, source, new, dst_blocks)
+    _unlabel(holder, source, new, src_blocks)
+    for i in range(held_blocks.size):
+        holder[held_blocks[i]] = holder_of[i]
+    for i in range(sources.size):
+        source[sources[i]] = source_of[i]
+    for i in range(new_blocks.size):
+        new[new_blocks[i]] = new_of[i]
+    for b in sources:
+        forbidden[b] = False
+    for b in dst_blocks:
+        forbidden[b] = False
+    for b in pinned_blocks:
+        forbidden[b] = True
+    for i in range(sources.size):  # a shared block only as the plan's own fresh block; no pinned block
+        b = sources[i]
+        if (ref_counts[b] > 1 and new[b] != source_of[i]) or forbidden[b]:
+            return False
+    for i in range(num_moves):
+        b = dst_blocks[i]
+        if (ref_counts[b] > 1 and new[b] != move_of[i]) or forbidden[b]:
+            return False
+    for b in open_tails:
+        forbidden[b] = True
+    num_src_live = np.zeros(num_plans, np.int64)
+    for i in range(sources.size):  # a source is the plan's table's, not an open tail
+        b = sources[i]
+        if holder[b] != source_of[i] or forbidden[b]:
+            return False
+        num_src_live[source_of[i]] += live_counts[b]
+    num_plan_moves = np.zeros(num_plans, np.int64)
+    for i in range(num_moves):  # a move leaves one of its plan's sources ...
+        if source[src_blocks[i]] != move_of[i]:
+            return False
+        num_plan_moves[move_of[i]] += 1
+    for k in range(num_plans):  # ... and every live token of the sources moves
+        if num_src_live[k] != num_plan_moves[k]:
+            return False
+    dst_slots = np.empty(num_moves, np.int64)
+    ordered_keys = np.sort(move_keys)
+    for i in range(num_moves):  # into a block of its plan's table or fresh blocks, not a source of it
+        b, plan = dst_blocks[i], move_of[i]
+        if (holder[b] != plan and new[b] != plan) or source[b] == plan:
+            return False
+        slot = b * block_size + dst_offsets[i]
+        dst_slots[i] = slot
+        occupant = token_at[slot]
+        if occupant >= 0:  # a slot still occupied only by a token the same plan moves away
+            key = plan * (max_tokens + 1) + occupant
+            j = np.searchsorted(ordered_keys, key)
+            if j == ordered_keys.size or ordered_keys[j] != key:
+                return False
+    return _is_distinct(dst_slots)
+
+
+@numba.njit(cache=True, nogil=True)
+def move_deltas(src_blocks, dst_blocks, delta, seen):
+    """The live-count change of every block that landed moves leave or join: -1 per move out
+    of it, +1 per move into it. Returns the distinct blocks (in the order they first occur,
+    sources first), their changes, and True; False when a block id is outside the pool.
+    `delta` and `seen` are pool-sized scratch arrays, written here where they are read."""
+    if not (_within(src_blocks, delta.size) and _within(dst_blocks, delta.size)):
+        return np.empty(0, np.int64), np.empty(0, np.int64), False
+    _reset(delta, seen, src_blocks)
+    _reset(delta, seen, dst_blocks)
+    for b in src_blocks:
+        delta[b] -= 1
+    for b in dst_blocks:
+        delta[b] += 1
+    distinct = np.empty(src_blocks.size + dst_blocks.size, np.int64)
+    num_distinct = _first_seen(seen, src_blocks, distinct, 0)
+    num_distinct = _first_seen(seen, dst_blocks, distinct, num_distinct)
+    distinct = distinct[:num_distinct]
+    changes = np.empty(num_distinct, np.int64)
+    for i in range(num_distinct):
+        changes[i] = delta[distinct[i]]
+    return distinct, changes, True
+
+
+@numba.njit(cache=True, nogil=True)
+def _reset(delta, seen, blocks):
+    for b in blocks:
+        delta[b] = 0
+        seen[b] = False
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_seen(seen, blocks, distinct, num_distinct):
+    for b in blocks:
+        if not seen[b]:
+            seen[b] = True
+            distinct[num_distinct] = b
+            num_distinct += 1
+    return num_distinct
+
+
+@numba.njit(cache=True, nogil=True)
+def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
+    """planning.Movables of several requests, whose candidate blocks (held, past the pinned
+    prefix, the open tail left out) are held[...] end to end, sizes[k] of request k: the blocks
+    no other request shares, in order, with their live counts; per request where its blocks
+    start and end among them, its live tokens and the blocks a perfect packing of those would
+    give back."""
+    num_requests = sizes.size
+    block_ids = np.empty(held.size, np.int64)
+    counts = np.empty(held.size, np.int32)
+    starts = np.empty(num_requests, np.int64)
+    ends = np.empty(num_requests, np.int64)
+    num_live = np.empty(num_requests, np.int64)
+    num_reclaimable = np.empty(num_requests, np.int64)
+    num_kept, position = 0, 0
+    for k in range(num_requests):
+        starts[k] = num_kept
+        live = 0
+        for i in range(position, position + sizes[k]):
+            b = held[i]
+            if ref_counts[b] == 1:
+                block_ids[num_kept] = b
+                counts[num_kept] = live_counts[b]
+                live += live_counts[b]
+                num_kept += 1
+        position += sizes[k]
+        ends[k], num_live[k] = num_kept, live
+        num_reclaimable[k] = (num_kept - starts[k]) - (live + block_size - 1) // block_size
+    return block_ids[:num_kept], counts[:num_kept], starts, ends, num_live, num_reclaimable
