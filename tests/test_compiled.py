@@ -12,7 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken.kv.compiled import hole_fill_plans, move_deltas, movable_blocks
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.compiled import change_live_counts, hole_fill_plans, movable_blocks
 
 S = 4
 # one request: its blocks' slots, each a live token (True) or a hole (False)
@@ -101,23 +102,52 @@ def test_movable_blocks_leave_out_shared_blocks(blocks_of, seed, shared) -> None
         assert num_live[k] == live_counts[kept].sum() and num_reclaimable[k] == len(kept) - -(-num_live[k] // S)
 
 
+def effects(block_size: int) -> np.ndarray:
+    """BlockPool._count_effects of a pool of `block_size`: per live count, its histogram bin
+    one-hot, whether it is <= S/2, and the count."""
+    return BlockPool(1, block_size)._count_effects
+
+
 @settings(max_examples=200, deadline=None)
-@given(src=st.lists(st.integers(0, 30), max_size=60), dst=st.lists(st.integers(0, 30), max_size=60))
-def test_move_deltas_count_each_blocks_moves_out_and_in(src, dst) -> None:
+@given(losing=st.lists(st.integers(0, 30), max_size=60), gaining=st.lists(st.integers(0, 30), max_size=60),
+       seed=st.integers(0, 2**16))
+def test_change_live_counts_is_each_tokens_change_applied_in_turn(losing, gaining, seed) -> None:
+    """Against plain Python: every block's new live count, the pool's counts changed by the
+    rows of the effects table, the blocks emptied; or, where a count would leave [0, S], the
+    refusal, with nothing written."""
+    rng = np.random.default_rng(seed)
+    live = rng.integers(0, S + 1, 31).astype(np.int32)
+    refs = np.ones(31, np.int32)
+    table = effects(S)
     delta, seen = np.full(31, 7, np.int64), np.ones(31, bool)  # scratch: whatever the last caller left
-    blocks, changes, within = move_deltas(np.array(src, np.int64), np.array(dst, np.int64), delta, seen)
-    want = collections.Counter(dst)
-    want.subtract(src)
-    assert within
-    assert blocks.tolist() == list(dict.fromkeys(src + dst))  # each block once, as first seen
-    assert dict(zip(blocks.tolist(), changes.tolist())) == dict(want)
+    want = collections.Counter(gaining)
+    want.subtract(losing)
+    new = live.copy()
+    for b, d in want.items():
+        new[b] += d
+    before = live.copy()
+    emptied, changes, reason, block = change_live_counts(np.array(losing, np.int64), np.array(gaining, np.int64),
+                                                         live, refs, table, delta, seen)
+    bad = [b for b in dict.fromkeys(losing + gaining) if not 0 <= new[b] <= S]
+    if bad:
+        assert (reason, block) == (3, bad[0])
+        assert np.array_equal(live, before)
+        return
+    assert reason == 0
+    assert np.array_equal(live, new)
+    assert changes.tolist() == (table[new].sum(axis=0) - table[before].sum(axis=0)).tolist()
+    assert emptied.tolist() == sorted(b for b in set(losing + gaining) if new[b] == 0)
 
 
-def test_move_deltas_refuse_a_block_outside_the_scratch() -> None:
+def test_change_live_counts_refuses_a_block_outside_the_pool_or_free_and_writes_nothing() -> None:
+    live, refs = np.full(8, 2, np.int32), np.ones(8, np.int32)
+    refs[5] = 0
     delta, seen = np.zeros(8, np.int64), np.zeros(8, bool)
-    for src, dst in (([1, 8], [2, 3]), ([1, 2], [3, -1])):
-        *_, within = move_deltas(np.array(src, np.int64), np.array(dst, np.int64), delta, seen)
-        assert not within
+    for losing, gaining, expected in (([1, 8], [2], (1, 8)), ([1, 2], [3, -1], (1, -1)), ([1], [5], (2, 5))):
+        *_, reason, block = change_live_counts(np.array(losing, np.int64), np.array(gaining, np.int64), live, refs,
+                                               effects(S), delta, seen)
+        assert (reason, block) == expected
+        assert live.tolist() == [2] * 8
 
 
 # vLLM 0.32's CPU worker scans every module attribute this way at init_worker
@@ -126,7 +156,7 @@ KERNEL_SCAN = """
 import sys
 import numpy as np
 import vtoken.kv.compiled as compiled
-compiled.move_deltas(np.array([0]), np.array([1]), np.zeros(2, np.int32), np.zeros(2, np.bool_))
+compiled.change_live_counts(np.array([0]), np.array([1]), np.ones(2, np.int32), np.ones(2, np.int32),\n                            np.eye(5, dtype=np.int64), np.zeros(2, np.int64), np.zeros(2, np.bool_))
 failing = []
 for name, module in list(sys.modules.items()):
     namespace = getattr(module, "__dict__", None)

@@ -266,25 +266,30 @@ class BlockPool:
     def remove_live_tokens_in(self, block_ids: np.ndarray) -> np.ndarray:
         """One live token died in each of `block_ids` (a block repeats once per token it lost):
         `remove_live_token` for a batch eviction, by a caller that holds the blocks and knew the
-        tokens live and counted its own pending appends first (`TokenTable.flush`), so nothing
-        to check: another table's pending appends are in that table's blocks. Returns the blocks
-        left without a live token, ascending."""
-        if block_ids.size <= 64:  # Python integers: cheaper than the array path for a few dozen
-            counts: dict[int, int] = {}
-            for block_id in block_ids.tolist():
-                counts[block_id] = counts.get(block_id, 0) + 1
-            emptied = []
-            for block_id, count in counts.items():
-                old_count = self._live_counts.item(block_id)
-                self._recount(block_id, old_count, old_count - count)
-                if old_count == count:
-                    emptied.append(block_id)
-            self.num_live_tokens -= block_ids.size
-            return np.array(sorted(emptied), dtype=np.int64) if emptied else NO_BLOCKS
-        distinct, counts = count_by_block(block_ids)
-        new_counts = (self._live_counts[distinct] - counts).astype(np.int32)
-        self.num_live_tokens += self._set_live(distinct, new_counts)
-        return distinct[new_counts == 0]
+        tokens live and counted its own pending appends first (`TokenTable.flush`): another
+        table's pending appends are in that table's blocks. Returns the blocks left without a
+        live token, ascending."""
+        return self.move_live_tokens(block_ids, NO_BLOCKS)
+
+    def move_live_tokens(self, losing: np.ndarray, gaining: np.ndarray) -> np.ndarray:
+        """One live token fewer in each of `losing` and one more in each of `gaining` (int64
+        block ids; a block repeats once per token): the pool's side of a batch eviction and of
+        landed moves, in one compiled loop over the blocks (kv/compiled.py). Checked first: an
+        id outside the pool, a free block or a live count that would leave [0, S] raises,
+        changing nothing. Returns the blocks left without a live token, ascending."""
+        from vtoken.kv.compiled import change_live_counts
+
+        emptied, changes, reason, block_id = change_live_counts(
+            losing, gaining, self._live_counts, self.ref_counts, self._count_effects,
+            self.scratch("live-count delta", np.int64), self.scratch("live-count seen", bool))
+        if reason == 1:
+            raise VTokenError(f"live-count change names block {block_id}, outside the pool's [0, {self.num_blocks})")
+        if reason == 2:
+            raise VTokenError(f"live-count change on free blocks [{block_id}]")
+        if reason == 3:
+            raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
+        self.num_live_tokens += self._add_to_counts(changes.tolist())
+        return emptied
 
     def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
         """Set one block's live count; its histogram bin and the <= 50% count follow."""
@@ -303,13 +308,18 @@ class BlockPool:
         # blocks gained minus blocks lost at each live count, then what that adds up to: the
         # histogram's bins, the <= 50% count and the live tokens, in one product
         by_count = np.bincount(new_counts, minlength=num_counts) - np.bincount(old_counts, minlength=num_counts)
-        changes = (by_count @ self._count_effects).tolist()
+        self._live_counts[block_ids] = new_counts
+        return self._add_to_counts((by_count @ self._count_effects).tolist())
+
+    def _add_to_counts(self, changes: list[int]) -> int:
+        """Add a change of live counts to the histogram's bins and the <= 50% count: `changes`
+        is a sum of rows of `_count_effects` (bins, <= 50%, live tokens). Returns the change
+        in live tokens, for the caller to add to `num_live_tokens` unless it counted them."""
         histogram = self._histogram
         for bin_idx in range(NUM_HISTOGRAM_BINS):
             if changes[bin_idx]:
                 histogram[bin_idx] += changes[bin_idx]
         self._num_blocks_le_half += changes[NUM_HISTOGRAM_BINS]
-        self._live_counts[block_ids] = new_counts
         return changes[NUM_HISTOGRAM_BINS + 1]
 
     # ---- reads (exact: deferred appends are counted first) -----------------------------------

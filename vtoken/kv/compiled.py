@@ -1,15 +1,18 @@
-"""The reclamation round step's loops over a round's blocks and tokens, compiled (numba).
+"""The substrate's loops over blocks and tokens, compiled (numba): a reclamation round step's,
+and an eviction's live counts.
 
 A round step plans, checks and lands the plans of a few requests at once: integer bookkeeping
 over their blocks and moved tokens, no policy rule and no floating point. Written as numpy
 calls over the round's arrays it is a few dozen calls, each a few microseconds whatever it
 does, which set a floor under a round step however few tokens it moves (README, issue 17's
-substrate table). Here each is one loop over the entries it reads.
+substrate table). Here each is one loop over the entries it reads. The pool's side of a batch
+eviction (a decode step's, one token per request) and of a round's landing is one more: the
+blocks' live counts and the pool's histogram (`BlockPool.move_live_tokens`).
 
-Imported by its callers when a round first runs: numba and the compilation (cached on disk
-after the first run) are not paid by commands that reclaim nothing. They take the arrays as
-the pool and the tables keep them (int64 ids, int32 counts), so that one compiled version
-serves every call.
+Imported by its callers when a process first evicts or reclaims: numba and the compilation
+(cached on disk after the first run) are not paid by commands that do neither. They take the
+arrays as the pool and the tables keep them (int64 ids, int32 counts), so that one compiled
+version serves every call.
 """
 
 from __future__ import annotations
@@ -238,30 +241,6 @@ def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offs
 
 
 @numba.njit(cache=True, nogil=True)
-def move_deltas(src_blocks, dst_blocks, delta, seen):
-    """The live-count change of every block that landed moves leave or join: -1 per move out
-    of it, +1 per move into it. Returns the distinct blocks (in the order they first occur,
-    sources first), their changes, and True; False when a block id is outside the pool.
-    `delta` and `seen` are pool-sized scratch arrays, written here where they are read."""
-    if not (_within(src_blocks, delta.size) and _within(dst_blocks, delta.size)):
-        return np.empty(0, np.int64), np.empty(0, np.int64), False
-    _reset(delta, seen, src_blocks)
-    _reset(delta, seen, dst_blocks)
-    for b in src_blocks:
-        delta[b] -= 1
-    for b in dst_blocks:
-        delta[b] += 1
-    distinct = np.empty(src_blocks.size + dst_blocks.size, np.int64)
-    num_distinct = _first_seen(seen, src_blocks, distinct, 0)
-    num_distinct = _first_seen(seen, dst_blocks, distinct, num_distinct)
-    distinct = distinct[:num_distinct]
-    changes = np.empty(num_distinct, np.int64)
-    for i in range(num_distinct):
-        changes[i] = delta[distinct[i]]
-    return distinct, changes, True
-
-
-@numba.njit(cache=True, nogil=True)
 def _reset(delta, seen, blocks):
     for b in blocks:
         delta[b] = 0
@@ -307,3 +286,62 @@ def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
         ends[k], num_live[k] = num_kept, live
         num_reclaimable[k] = (num_kept - starts[k]) - (live + block_size - 1) // block_size
     return block_ids[:num_kept], counts[:num_kept], starts, ends, num_live, num_reclaimable
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_outside(values, end):
+    for i in range(values.size):
+        if not 0 <= values[i] < end:
+            return i
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def change_live_counts(losing, gaining, live_counts, ref_counts, count_effects, delta, seen):
+    """One live token fewer in each of `losing` and one more in each of `gaining` (a block
+    repeats once per token; an eviction loses, landed moves lose at their sources and gain at
+    their destinations): the blocks' live counts, written in place, and what the change adds to
+    the pool's counts, the sum over the changed blocks of count_effects[new] - count_effects[old]
+    (BlockPool: histogram bins, then blocks <= S/2, then live tokens).
+
+    Returns (the blocks left without a live token, ascending; those changes; 0; -1), or, writing
+    nothing, a reason and the first block it names: 1 an id outside the pool, 2 a free block
+    (no reference), 3 a live count that would leave [0, S]. `delta` and `seen` are pool-sized
+    scratch arrays, written here where they are read."""
+    changes = np.zeros(count_effects.shape[1], np.int64)
+    no_blocks = np.empty(0, np.int64)
+    i = _first_outside(losing, live_counts.size)
+    if i >= 0:
+        return no_blocks, changes, 1, losing[i]
+    i = _first_outside(gaining, live_counts.size)
+    if i >= 0:
+        return no_blocks, changes, 1, gaining[i]
+    _reset(delta, seen, losing)
+    _reset(delta, seen, gaining)
+    for b in losing:
+        delta[b] -= 1
+    for b in gaining:
+        delta[b] += 1
+    distinct = np.empty(losing.size + gaining.size, np.int64)
+    num_distinct = _first_seen(seen, losing, distinct, 0)
+    num_distinct = _first_seen(seen, gaining, distinct, num_distinct)
+    block_size = count_effects.shape[0] - 1
+    for i in range(num_distinct):
+        b = distinct[i]
+        if ref_counts[b] <= 0:
+            return no_blocks, changes, 2, b
+        if not 0 <= live_counts[b] + delta[b] <= block_size:
+            return no_blocks, changes, 3, b
+    emptied = np.empty(num_distinct, np.int64)
+    num_emptied = 0
+    for i in range(num_distinct):
+        b = distinct[i]
+        old = live_counts[b]
+        new = old + delta[b]
+        live_counts[b] = new
+        for c in range(changes.size):
+            changes[c] += count_effects[new, c] - count_effects[old, c]
+        if new == 0:
+            emptied[num_emptied] = b
+            num_emptied += 1
+    return np.sort(emptied[:num_emptied]), changes, 0, -1

@@ -96,13 +96,7 @@ class RelocationVerbs:
             src_blocks, dst_blocks, src_slots, token_ids = src_blocks[live], dst_blocks[live], src_slots[live], token_ids[live]
         # the pool's side: live tokens leave their sources and join their destinations
         if token_ids.size:
-            from vtoken.kv.compiled import move_deltas
-
-            blocks, deltas, within = move_deltas(src_blocks, dst_blocks, pool.scratch("apply_moves delta", np.int64),
-                                                 pool.scratch("apply_moves seen", bool))
-            if not within:
-                raise VTokenError(f"moves name block ids outside the pool's [0, {pool.num_blocks})")
-            pool.adjust_live(blocks, deltas)  # checked first: raises before anything changed
+            pool.move_live_tokens(src_blocks, dst_blocks)  # checked first: raises before anything changed
             token_at = pool.token_at
             token_at[src_slots] = -1  # every source first: a destination may be another's source
             token_at[dst_slots if all_live else dst_slots[live]] = token_ids
