@@ -138,11 +138,16 @@ def _is_distinct(values):
 
 
 @numba.njit(cache=True, nogil=True)
+def _first_outside(values, end):
+    for i in range(values.size):
+        if not 0 <= values[i] < end:
+            return i
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
 def _within(values, end):
-    for value in values:
-        if value < 0 or value >= end:
-            return False
-    return True
+    return _first_outside(values, end) < 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -286,14 +291,6 @@ def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
         ends[k], num_live[k] = num_kept, live
         num_reclaimable[k] = (num_kept - starts[k]) - (live + block_size - 1) // block_size
     return block_ids[:num_kept], counts[:num_kept], starts, ends, num_live, num_reclaimable
-
-
-@numba.njit(cache=True, nogil=True)
-def _first_outside(values, end):
-    for i in range(values.size):
-        if not 0 <= values[i] < end:
-            return i
-    return -1
 
 
 @numba.njit(cache=True, nogil=True)
