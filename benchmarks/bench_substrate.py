@@ -1,7 +1,8 @@
 """Host-side cost of the vToken substrate per decode step, against the modelled step. A benchmark, not a test.
 
     python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
-                                         [--fit-budgets 256,512,1024,2048] [--repeats N] [--wall] [--json PATH]
+                                         [--fit-budgets 256,512,1024,2048] [--replan-first] [--repeats N] [--wall]
+                                         [--json PATH]
 
 R concurrent requests with an L-token context, block size S = 16, one new token per request
 per step (the workload and the reclaimer's cadences: substrate_workload.py). Growth runs the
@@ -46,7 +47,12 @@ part of their reclaim: planning, the I4 check, launching and landing, each the m
 median repetition's such steps, with the plans and tokens moved of the median one. Between two
 cadences of one size (paced: about one plan a step under a small budget; default: about two
 under 2,048 moves) they separate, roughly, what a round step costs whatever it moves from what
-it costs per token moved.
+it costs per token moved. Then a round's first launching step apart, the medians over every
+repetition's (one round each for the round cadences), against the others: the worst step is
+usually that one, which ranks the round's requests and meets the round's code and data cold
+after the ordinary steps since the last round. `--replan-first` plans that step's requests
+again right after its planning, timed apart: the same planning warm. It warms what the step's
+check and landing read as well, so their figures in that table read low with it.
 
 `--fit-budgets B1,B2,...` fits that split instead of reading it off two cadences: at every size,
 the paced cadence's reclaimer at each budget (B1, B2, ... tokens moved a step, B x S = 1.25 x the
@@ -135,6 +141,15 @@ class EvictRow:
     launching_step_plans: float
     launching_step_moved: float
     launching_step_parts_us: tuple[float, float, float, float]
+    # a round's first launching step (RoundStep.is_first), over every repetition: how many,
+    # the median of each part (us), of their evictions, and of planning their requests again
+    # at once (us; 0 without --replan-first); and the median sum of the parts of the median
+    # repetition's other launching steps
+    num_first_steps: int
+    first_step_parts_us: tuple[float, float, float, float]
+    first_step_evict_us: float
+    first_step_replan_us: float
+    other_steps_sum_us: float
 
     @property
     def bookkeeping_us(self) -> float:
@@ -296,16 +311,18 @@ def time_cycle(run: EvictingRun) -> tuple[np.ndarray, np.ndarray, int]:
     return np.array(ordinary).reshape(-1, 4), np.array(in_round).reshape(-1, 4), run.step_idx - first_step_idx
 
 
-def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int, cadence: str, num_repeats: int, clock) -> EvictRow:
+def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int, cadence: str, num_repeats: int, clock,
+                  replan_first: bool = False) -> EvictRow:
     """The round cadences: a cycle's mean, its ordinary steps weighted by their number in it
     and every step of the round added (`time_cycle`); the others: the mean of
-    `num_window_steps` steps."""
+    `num_window_steps` steps. `replan_first`: `EvictingRun.replan_first`."""
     step_us = modelled_step_us(num_requests, context_tokens)
     means, worst, plans_per_step, moved_per_round, num_steps, num_round_steps, check_us = [], [], [], [], [], [], 0.0
     launching: list[list[RoundStep]] = []
     max_moved_per_step = 0
     for repeat_idx in range(num_repeats):
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
+        run.replan_first = replan_first
         first_step_idx, num_rounds_before = run.step_idx, run.num_rounds
         run.round_steps.clear()  # from here on: the measured steps
         if cadence in ROUND_CADENCES:
@@ -335,10 +352,16 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     steps = launching[median]
     columns = [(s.num_plans, s.num_tokens_moved, *s.parts_s) for s in steps]  # plans, moved, then the four parts
     step_medians = np.median(np.array(columns, dtype=np.float64), axis=0) if steps else np.zeros(6)
+    firsts = [s for repetition in launching for s in repetition if s.is_first]
+    first_columns = [(*s.parts_s, s.evict_s, s.replan_s) for s in firsts]  # the four parts, evictions, replanning
+    first_medians = 1e6 * np.median(np.array(first_columns, dtype=np.float64), axis=0) if firsts else np.zeros(6)
+    others = [s.reclaim_s for s in steps if not s.is_first]
     return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
                     worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
-                    len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]))
+                    len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]),
+                    len(firsts), tuple(float(t) for t in first_medians[:4]), float(first_medians[4]), float(first_medians[5]),
+                    float(1e6 * np.median(others)) if others else 0.0)
 
 
 def fit_line(moved: np.ndarray, step_us: np.ndarray) -> tuple[float, float, float]:
@@ -516,6 +539,20 @@ def format_launching_steps(rows: list[EvictRow]) -> str:
     return table(header, lines)
 
 
+def format_first_steps(rows: list[EvictRow]) -> str:
+    header = (f"{'requests x context':<18} {'cadence':<11} {'rounds':>6} {'evict':>6} {'plan':>6} {'check':>6} {'launch':>6} "
+              f"{'land':>6} {'sum':>6} {'others':>6} {'replan':>6}")
+    lines = []
+    for r in rows:
+        if not r.num_first_steps:
+            continue
+        parts = " ".join(f"{part:>6.0f}" for part in r.first_step_parts_us)
+        replan = f"{r.first_step_replan_us:>6.0f}" if r.first_step_replan_us else f"{'-':>6}"
+        lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<11} {r.num_first_steps:>6} "
+                     f"{r.first_step_evict_us:>6.0f} {parts} {sum(r.first_step_parts_us):>6.0f} {r.other_steps_sum_us:>6.0f} {replan}")
+    return table(header, lines)
+
+
 def format_budget_fit(rows: list[BudgetRow], fits: list[BudgetFit]) -> str:
     header = (f"{'requests x context':<18} {'budget':>6} {'steps':>5} {'plans':>5} {'moved':>6} {'reclaim us':>10} "
               f"{'evict us':>8}")
@@ -567,6 +604,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", help="only these requests x context, e.g. 64x8K,1024x8K, or tiny sizes such as 4x1K")
     parser.add_argument("--cadences", default=",".join(DEFAULT_CADENCES), help=f"of {', '.join(CADENCES)}")
     parser.add_argument("--wall", action="store_true", help="wall time (time.perf_counter) instead of CPU time")
+    parser.add_argument("--replan-first", action="store_true",
+                        help="at a round's first launching step, plan its requests again right after its planning, timed "
+                             "apart (what the same planning costs warm; the step's check and landing then read warm data too)")
     parser.add_argument("--fit-budgets", metavar="B1,B2,...",
                         help="fit a round step's fixed cost and cost per token moved over these budgets (tokens a step)")
     args = parser.parse_args()
@@ -611,7 +651,8 @@ def main() -> None:
         print(f"{size_name(num_requests, context_tokens)} ...", flush=True)
         growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
         paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
-        evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock) for cadence in args.cadences]
+        evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock, args.replan_first)
+                   for cadence in args.cadences]
         if args.fit_budgets:
             try:
                 rows, fit = measure_budget_fit(num_requests, context_tokens, args.fit_budgets, num_repeats, clock)
@@ -633,6 +674,10 @@ def main() -> None:
           "us): planning, the I4 check (check_round), launching (destinations, copies launched and polled), landing "
           "(moves applied, emptied blocks released and freed), and their sum; plans and moved: the median step's")
     print(format_launching_steps(evicts))
+    print("\na round's first launching step (the medians over every repetition's first steps, us): its evictions, the "
+          "parts of its reclaim as above and their sum; others: the median sum of the median repetition's other launching "
+          "steps; replan: its requests planned again right after its planning (--replan-first)")
+    print(format_first_steps(evicts))
     if fits:
         print("\na round step against the tokens it moved: the paced cadence's reclaimer at each budget, the steps that "
               "launched plans over every repetition (medians: plans, moved, their reclaim, the step's evictions), then the "

@@ -30,6 +30,7 @@ from vtoken.hardware import resolve_gpu
 from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.planning import Movables, plan_hole_fill_each
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.model_spec import resolve_model
@@ -155,7 +156,9 @@ def choose_victims(tables: list[TokenTable], rng: np.random.Generator, pattern: 
 class RoundStep(NamedTuple):
     """A step whose reclamation launched plans: how many, the tokens they moved, the seconds
     of each part of it (`EvictingRun.reclaim`), and the seconds of the step's evictions before
-    it (0 for a reclaim called outside `step`)."""
+    it (0 for a reclaim called outside `step`). `is_first`: the first step of its round to
+    launch plans; `replan_s`: at such a step with `EvictingRun.replan_first`, the seconds of
+    planning the step's requests again right after its planning (0 otherwise)."""
 
     num_plans: int
     num_tokens_moved: int
@@ -164,6 +167,8 @@ class RoundStep(NamedTuple):
     launch_s: float
     land_s: float
     evict_s: float
+    is_first: bool = False
+    replan_s: float = 0.0
 
     @property
     def parts_s(self) -> tuple[float, float, float, float]:
@@ -201,6 +206,10 @@ class EvictingRun:
         # (moves applied, emptied blocks released and freed); a caller that clears it counts
         # plans and moves from there on
         self.round_steps: list[RoundStep] = []
+        self.launched_in_round = False  # the round in progress has launched plans
+        # at a round's first launching step, plan its requests again right after its planning,
+        # timed apart (`RoundStep.replan_s`): what the same planning costs once warm
+        self.replan_first = False
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -236,10 +245,15 @@ class EvictingRun:
         was_in_progress = self.reclaimer.is_round_in_progress
         plans = self.reclaimer.plan(self.tables)
         self.num_rounds += (was_in_progress or bool(plans)) and not self.reclaimer.is_round_in_progress
+        if not was_in_progress:
+            self.launched_in_round = False
         if not plans:
             return
         planned = clock()
         tables = [self.by_id[plan.req_id] for plan in plans]
+        is_first, self.launched_in_round = not self.launched_in_round, True
+        replan_s = self.time_replan(tables) if is_first and self.replan_first else 0.0
+        check_started = clock()
         check_round(plans, tables, self.pool, frozenset())
         checked = clock()
         checked_at = {}
@@ -254,10 +268,19 @@ class EvictingRun:
         self.pool.free(TokenTable.release_empty_blocks_each(tables))
         landed = clock()
         num_moved = sum(plan.num_tokens_moved for plan in completed)
-        self.round_steps.append(RoundStep(len(completed), num_moved, planned - started, checked - planned, launched - checked,
-                                          landed - launched, evict_s))
+        self.round_steps.append(RoundStep(len(completed), num_moved, planned - started, checked - check_started, launched - checked,
+                                          landed - launched, evict_s, is_first, replan_s))
         self.num_tokens_moved += num_moved
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
+
+    def time_replan(self, tables: list[TokenTable]) -> float:
+        """Seconds of planning `tables` again as a hole-fill round does (`Movables.of`, then
+        `plan_hole_fill_each`), the plans discarded; 0 for the ordered mode."""
+        if self.reclaimer.config.mode != "hole-fill":
+            return 0.0
+        started = self.clock()
+        plan_hole_fill_each(Movables.of(tables), self.reclaimer.config.max_src_blocks)
+        return self.clock() - started
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:
         """One decode step; returns seconds spent in growth, evict, reclaim and slots."""

@@ -26,11 +26,12 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     completed = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_substrate.py"), "--sizes", "4x1K", "--repeats", "2",
-         "--cadences", "default,paced", "--fit-budgets", "32,64", "--json", str(out)],
+         "--cadences", "default,paced", "--fit-budgets", "32,64", "--replan-first", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600, check=False)
     assert completed.returncode == 0, completed.stderr
     for heading in ("growth + slots()", "one eviction per request per step", "one evict_one_each", "tokens moved per freed block",
-                    "a step's moves bounded by", "a measured step that launched plans, by part of its reclaim"):
+                    "a step's moves bounded by", "a measured step that launched plans, by part of its reclaim",
+                    "a round's first launching step"):
         assert heading in completed.stdout
     result = json.loads(out.read_text())
     rows = {row["cadence"]: row for row in result["evict"]}
@@ -47,6 +48,9 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
         assert row["num_launching_steps"] >= 1 and row["launching_step_plans"] >= 1
         assert 0 < row["launching_step_moved"] <= row["max_moved_per_step"]
         assert len(row["launching_step_parts_us"]) == 4 and min(row["launching_step_parts_us"]) >= 0
+        # one first launching step per repetition's round, replanned at once with --replan-first
+        assert row["num_first_steps"] == 2 and min(row["first_step_parts_us"]) >= 0
+        assert row["first_step_replan_us"] > 0 and row["first_step_evict_us"] > 0
     assert rows["default"]["max_moves_per_step"] == defaults.RECLAIM_MOVES_PER_STEP
     assert rows["default"]["moved_per_round"] > 0  # the cycle ends with a round that moved tokens
     assert 0 < rows["default"]["num_round_steps"] < rows["default"]["num_steps"]
@@ -149,11 +153,14 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
         return plans
 
     calls: list[tuple[int, int]] = []  # per call of the reclaimer: plans, tokens they move
+    round_launched = False
     run.reclaimer.plan = checked_plan
     for _ in range(400):
         victims = choose_victims(run.tables, run.rng, "random")
         live_before = [np.setdiff1d(t.live_token_ids(), [v]) for t, v in zip(run.tables, victims.tolist())]
         num_calls, num_logged = len(calls), len(run.round_steps)
+        if not run.reclaimer.is_round_in_progress:
+            round_launched = False  # a round starts at this step, if any
         _, _, reclaim_s, _ = run.step(victims)
         # a step that launched plans is logged once, with its plans and moves, its parts within its reclaim
         launching = [call for call in calls[num_calls:] if call[0]]
@@ -161,10 +168,15 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
         if launching:
             step = run.round_steps[-1]
             assert min(step.parts_s) >= 0 and step.reclaim_s <= reclaim_s and 0 < step.evict_s
+            # a round's first launching step is marked, a later one of the same round is not
+            assert step.is_first == (not round_launched) and step.replan_s == 0.0
+            round_launched = True
         check_unique_mapping(run.pool, run.tables)
         for table, live in zip(run.tables, live_before):
             check_conservation(table.req_id, live, table.live_token_ids()[: live.size])
     moved = [num_moved for _, num_moved in calls]
     assert sum(m > 0 for m in moved) >= 10 and max(moved) <= max(budget, config.max_src_blocks * BLOCK_SIZE)
     assert run.num_rounds >= 1 and sum(moved) > 2 * budget  # rounds that needed more than one step
+    num_firsts = sum(step.is_first for step in run.round_steps)  # one a round; the last may be unfinished
+    assert run.num_rounds <= num_firsts <= run.num_rounds + 1
     assert run.num_blocks_freed_by_plans > 0 and run.pool.waste_ratio() < config.theta_f + 0.05
