@@ -9,22 +9,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken.kv.arrays import block_slots, count_by_block, is_distinct, isin, positions_in, sum_by_block
+from vtoken.kv.arrays import block_slots, count_by_block, is_distinct, isin, positions_in
 
 # both of the helpers' paths: a dict up to 64 entries, a sort beyond
 block_lists = st.lists(st.integers(0, 300), max_size=200)
-
-
-@settings(max_examples=200, deadline=None)
-@given(block_ids=block_lists, data=st.data())
-def test_sum_by_block_sums_each_blocks_deltas(block_ids, data) -> None:
-    deltas = data.draw(st.lists(st.integers(-3, 3), min_size=len(block_ids), max_size=len(block_ids)))
-    expected = collections.Counter()
-    for block_id, delta in zip(block_ids, deltas):
-        expected[block_id] += delta
-    blocks, sums = sum_by_block(np.array(block_ids, dtype=np.int64), np.array(deltas, dtype=np.int64))
-    assert blocks.tolist() == sorted(expected)
-    assert sums.tolist() == [expected[b] for b in sorted(expected)]
 
 
 @settings(max_examples=200, deadline=None)

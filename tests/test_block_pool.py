@@ -297,8 +297,8 @@ def test_remove_live_tokens_in_is_remove_live_token_of_each_and_names_the_emptie
 
 
 @pytest.mark.parametrize("block_ids, message", [
-    ([3, 40], r"names block 40, outside the pool's \[0, 40\)"),
-    ([3, -1], r"names block -1, outside the pool's \[0, 40\)"),
+    ([3, 40], r"out of range \[0, 40\): \[40\]"),
+    ([3, -1], r"out of range \[0, 40\): \[-1\]"),
     ([3, 5, 5, 5], r"live count of blocks \[5\] would leave \[0, 4\]"),  # block 5 holds 2
 ])
 def test_remove_live_tokens_in_refuses_what_no_table_holds_and_changes_nothing(block_ids, message) -> None:

@@ -31,24 +31,9 @@ def isin(values: np.ndarray, members: np.ndarray) -> np.ndarray:
     return members[idx] == values
 
 
-def sum_by_block(block_ids: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct blocks (ascending) and the sum of their deltas (a dict for the usual few dozen
-    entries, where `np.unique` costs more)."""
-    if block_ids.size <= 64:
-        sums: dict[int, int] = {}
-        for block_id, delta in zip(block_ids.tolist(), deltas.tolist()):
-            sums[block_id] = sums.get(block_id, 0) + delta
-        block_ids_out = sorted(sums)
-        return np.array(block_ids_out, dtype=np.int64), np.array([sums[b] for b in block_ids_out], dtype=np.int64)
-    order = np.argsort(block_ids)  # a block's deltas are summed: their order within it does not matter
-    block_ids, deltas = block_ids[order], deltas[order]
-    starts = np.flatnonzero(np.concatenate(([True], block_ids[1:] != block_ids[:-1])))
-    return block_ids[starts], np.add.reduceat(deltas, starts)
-
-
 def count_by_block(block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct blocks (ascending) and how often each occurs: `sum_by_block` with every delta 1,
-    by one sort (a dict for the usual few dozen entries)."""
+    """Distinct blocks (ascending) and how often each occurs, by one sort (a dict for the usual
+    few dozen entries)."""
     if block_ids.size <= 64:
         counts: dict[int, int] = {}
         for block_id in block_ids.tolist():

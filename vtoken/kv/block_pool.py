@@ -184,41 +184,25 @@ class BlockPool:
 
     # ---- live tokens -----------------------------------------------------------------------
 
-    def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
-        """Add `deltas[i]` live tokens to `block_ids[i]` (ids distinct, blocks allocated).
+    def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+        """Add `deltas[i]` live tokens to `block_ids[i]` (int64 ids of allocated blocks; an id
+        may repeat, its deltas add up): a table's appends, a batch eviction (-1 a token), landed
+        moves (-1 at a source, +1 at a destination), in one compiled loop over the blocks
+        (kv/compiled.py). Checked first, so that a rejected call changes nothing. Returns the
+        blocks it left without a live token, ascending."""
+        from vtoken.kv.compiled import change_live_counts
 
-        Checked first, so that a rejected call changes nothing. Up to a few dozen blocks (a
-        relocation plan's usual case) go through Python integers: cheaper than the array path.
-        """
-        block_ids = np.asarray(block_ids, dtype=np.int64)
-        if block_ids.size > 32:
-            self._adjust_live_array(block_ids, np.asarray(deltas, dtype=np.int64))
-            return
-        pairs = list(zip(block_ids.tolist(), np.asarray(deltas).tolist()))
-        out_of_range = [b for b, _ in pairs if not 0 <= b < self.num_blocks]
-        if out_of_range:
-            raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): {out_of_range}")
-        ref_counts, live_counts = self.ref_counts, self._live_counts
-        free = [b for b, _ in pairs if ref_counts.item(b) <= 0]
-        if free:
-            raise VTokenError(f"live-count change on free blocks {free}")
-        outside = [b for b, d in pairs if not 0 <= live_counts.item(b) + d <= self.block_size]
-        if outside:
-            raise VTokenError(f"live count of blocks {outside} would leave [0, {self.block_size}]")
-        for block_id, delta in pairs:
-            old_count = live_counts.item(block_id)
-            self._recount(block_id, old_count, old_count + delta)
-            self.num_live_tokens += delta
-
-    def _adjust_live_array(self, block_ids: np.ndarray, deltas: np.ndarray) -> None:
-        block_ids = self._checked_ids(block_ids, "adjust_live")
-        new_counts = self._live_counts[block_ids] + deltas
-        if (self.ref_counts[block_ids] <= 0).any():
-            raise VTokenError(f"live-count change on free blocks {block_ids[self.ref_counts[block_ids] <= 0].tolist()}")
-        if new_counts.min() < 0 or new_counts.max() > self.block_size:
-            bad = block_ids[(new_counts < 0) | (new_counts > self.block_size)]
-            raise VTokenError(f"live count of blocks {bad.tolist()} would leave [0, {self.block_size}]")
-        self.num_live_tokens += self._set_live(block_ids, new_counts.astype(np.int32))
+        emptied, changes, reason, block_id = change_live_counts(
+            np.asarray(block_ids, dtype=np.int64), np.asarray(deltas, dtype=np.int64), self._live_counts, self.ref_counts,
+            self._count_effects, self.scratch("adjust_live delta", np.int64), self.scratch("adjust_live seen", bool))
+        if reason == 1:
+            raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): [{block_id}]")
+        if reason == 2:
+            raise VTokenError(f"live-count change on free blocks [{block_id}]")
+        if reason == 3:
+            raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
+        self.num_live_tokens += self._add_to_counts(changes.tolist())
+        return emptied
 
     def add_live(self, block_id: int, delta: int) -> int:
         """`adjust_live` for one block: the per-token path of growth and eviction. Returns the
@@ -265,31 +249,11 @@ class BlockPool:
 
     def remove_live_tokens_in(self, block_ids: np.ndarray) -> np.ndarray:
         """One live token died in each of `block_ids` (a block repeats once per token it lost):
-        `remove_live_token` for a batch eviction, by a caller that holds the blocks and knew the
-        tokens live and counted its own pending appends first (`TokenTable.flush`): another
-        table's pending appends are in that table's blocks. Returns the blocks left without a
-        live token, ascending."""
-        return self.move_live_tokens(block_ids, NO_BLOCKS)
-
-    def move_live_tokens(self, losing: np.ndarray, gaining: np.ndarray) -> np.ndarray:
-        """One live token fewer in each of `losing` and one more in each of `gaining` (int64
-        block ids; a block repeats once per token): the pool's side of a batch eviction and of
-        landed moves, in one compiled loop over the blocks (kv/compiled.py). Checked first: an
-        id outside the pool, a free block or a live count that would leave [0, S] raises,
-        changing nothing. Returns the blocks left without a live token, ascending."""
-        from vtoken.kv.compiled import change_live_counts
-
-        emptied, changes, reason, block_id = change_live_counts(
-            losing, gaining, self._live_counts, self.ref_counts, self._count_effects,
-            self.scratch("live-count delta", np.int64), self.scratch("live-count seen", bool))
-        if reason == 1:
-            raise VTokenError(f"live-count change names block {block_id}, outside the pool's [0, {self.num_blocks})")
-        if reason == 2:
-            raise VTokenError(f"live-count change on free blocks [{block_id}]")
-        if reason == 3:
-            raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
-        self.num_live_tokens += self._add_to_counts(changes.tolist())
-        return emptied
+        `adjust_live` with -1 each, for a batch eviction by a caller that holds the blocks and
+        counted its own pending appends first (`TokenTable.flush`): another table's pending
+        appends are in that table's blocks. Returns the blocks left without a live token,
+        ascending."""
+        return self.adjust_live(block_ids, np.full(block_ids.size, -1, dtype=np.int64))
 
     def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
         """Set one block's live count; its histogram bin and the <= 50% count follow."""

@@ -7,7 +7,7 @@ calls over the round's arrays it is a few dozen calls, each a few microseconds w
 does, which set a floor under a round step however few tokens it moves (README, issue 17's
 substrate table). Here each is one loop over the entries it reads. The pool's side of a batch
 eviction (a decode step's, one token per request) and of a round's landing is one more: the
-blocks' live counts and the pool's histogram (`BlockPool.move_live_tokens`).
+blocks' live counts and the pool's histogram (`BlockPool.adjust_live`).
 
 Imported by its callers when a process first evicts or reclaims: numba and the compilation
 (cached on disk after the first run) are not paid by commands that do neither. They take the
@@ -294,11 +294,11 @@ def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
 
 
 @numba.njit(cache=True, nogil=True)
-def change_live_counts(losing, gaining, live_counts, ref_counts, count_effects, delta, seen):
-    """One live token fewer in each of `losing` and one more in each of `gaining` (a block
-    repeats once per token; an eviction loses, landed moves lose at their sources and gain at
-    their destinations): the blocks' live counts, written in place, and what the change adds to
-    the pool's counts, the sum over the changed blocks of count_effects[new] - count_effects[old]
+def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects, delta, seen):
+    """Add deltas[i] live tokens to block_ids[i] (ids may repeat: their deltas add up; an
+    eviction gives -1 per token, landed moves -1 at their sources and +1 at their
+    destinations): the blocks' live counts, written in place, and what the change adds to the
+    pool's counts, the sum over the changed blocks of count_effects[new] - count_effects[old]
     (BlockPool: histogram bins, then blocks <= S/2, then live tokens).
 
     Returns (the blocks left without a live token, ascending; those changes; 0; -1), or, writing
@@ -307,21 +307,14 @@ def change_live_counts(losing, gaining, live_counts, ref_counts, count_effects, 
     scratch arrays, written here where they are read."""
     changes = np.zeros(count_effects.shape[1], np.int64)
     no_blocks = np.empty(0, np.int64)
-    i = _first_outside(losing, live_counts.size)
+    i = _first_outside(block_ids, live_counts.size)
     if i >= 0:
-        return no_blocks, changes, 1, losing[i]
-    i = _first_outside(gaining, live_counts.size)
-    if i >= 0:
-        return no_blocks, changes, 1, gaining[i]
-    _reset(delta, seen, losing)
-    _reset(delta, seen, gaining)
-    for b in losing:
-        delta[b] -= 1
-    for b in gaining:
-        delta[b] += 1
-    distinct = np.empty(losing.size + gaining.size, np.int64)
-    num_distinct = _first_seen(seen, losing, distinct, 0)
-    num_distinct = _first_seen(seen, gaining, distinct, num_distinct)
+        return no_blocks, changes, 1, block_ids[i]
+    _reset(delta, seen, block_ids)
+    for i in range(block_ids.size):
+        delta[block_ids[i]] += deltas[i]
+    distinct = np.empty(block_ids.size, np.int64)
+    num_distinct = _first_seen(seen, block_ids, distinct, 0)
     block_size = count_effects.shape[0] - 1
     for i in range(num_distinct):
         b = distinct[i]

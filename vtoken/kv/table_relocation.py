@@ -96,7 +96,8 @@ class RelocationVerbs:
             src_blocks, dst_blocks, src_slots, token_ids = src_blocks[live], dst_blocks[live], src_slots[live], token_ids[live]
         # the pool's side: live tokens leave their sources and join their destinations
         if token_ids.size:
-            pool.move_live_tokens(src_blocks, dst_blocks)  # checked first: raises before anything changed
+            pool.adjust_live(np.concatenate((src_blocks, dst_blocks)),  # checked first: raises before anything changed
+                             np.repeat(np.array([-1, 1], dtype=np.int64), (src_blocks.size, dst_blocks.size)))
             token_at = pool.token_at
             token_at[src_slots] = -1  # every source first: a destination may be another's source
             token_at[dst_slots if all_live else dst_slots[live]] = token_ids
