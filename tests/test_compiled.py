@@ -140,6 +140,19 @@ def test_change_live_counts_is_each_change_applied_in_turn(changes, seed) -> Non
     assert emptied.tolist() == sorted(b for b in want if new[b] == 0)
 
 
+def test_change_live_counts_gives_a_single_delta_to_every_id() -> None:
+    """One delta for all ids (a batch eviction's -1 a token) is the same as that delta per id."""
+    ids = np.array([3, 1, 3, 7, 3], np.int64)
+    results = []
+    for deltas in (np.array([-1], np.int64), np.full(ids.size, -1, np.int64)):
+        live = np.full(8, 3, np.int32)
+        emptied, counts, reason, _ = change_live_counts(ids, deltas, live, np.ones(8, np.int32), effects(S),
+                                                        np.zeros(8, np.int64), np.zeros(8, bool))
+        results.append((emptied.tolist(), counts.tolist(), reason, live.tolist()))
+    assert results[0] == results[1]
+    assert results[0][0] == [3] and results[0][3] == [3, 2, 3, 0, 3, 3, 3, 2]
+
+
 def test_change_live_counts_refuses_a_block_outside_the_pool_or_free_and_writes_nothing() -> None:
     live, refs = np.full(8, 2, np.int32), np.ones(8, np.int32)
     refs[5] = 0

@@ -27,6 +27,7 @@ from vtoken.kv.token_arena import TokenArena
 
 NUM_HISTOGRAM_BINS = 10
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
+ONE_TOKEN_LESS = np.array([-1], dtype=np.int64)  # `adjust_live`'s deltas for one token less in each block named
 NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
 
 
@@ -185,8 +186,8 @@ class BlockPool:
     # ---- live tokens -----------------------------------------------------------------------
 
     def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:
-        """Add `deltas[i]` live tokens to `block_ids[i]` (int64 ids of allocated blocks; an id
-        may repeat, its deltas add up): a table's appends, a batch eviction (-1 a token), landed
+        """Add `deltas[i]` live tokens to `block_ids[i]`, or `deltas[0]` to each when `deltas`
+        has one entry (int64 ids of allocated blocks; an id may repeat, its deltas add up): a table's appends, a batch eviction (-1 a token), landed
         moves (-1 at a source, +1 at a destination), in one compiled loop over the blocks
         (kv/compiled.py). Checked first, so that a rejected call changes nothing. Returns the
         blocks it left without a live token, ascending."""
@@ -253,7 +254,7 @@ class BlockPool:
         counted its own pending appends first (`TokenTable.flush`): another table's pending
         appends are in that table's blocks. Returns the blocks left without a live token,
         ascending."""
-        return self.adjust_live(block_ids, np.full(block_ids.size, -1, dtype=np.int64))
+        return self.adjust_live(block_ids, ONE_TOKEN_LESS)
 
     def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
         """Set one block's live count; its histogram bin and the <= 50% count follow."""

@@ -295,8 +295,8 @@ def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
 
 @numba.njit(cache=True, nogil=True)
 def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects, delta, seen):
-    """Add deltas[i] live tokens to block_ids[i] (ids may repeat: their deltas add up; an
-    eviction gives -1 per token, landed moves -1 at their sources and +1 at their
+    """Add deltas[i] live tokens to block_ids[i], or deltas[0] to every one when `deltas` has
+    one entry (ids may repeat: their deltas add up; an eviction gives -1 per token, landed moves -1 at their sources and +1 at their
     destinations): the blocks' live counts, written in place, and what the change adds to the
     pool's counts, the sum over the changed blocks of count_effects[new] - count_effects[old]
     (BlockPool: histogram bins, then blocks <= S/2, then live tokens).
@@ -311,8 +311,9 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
     if i >= 0:
         return no_blocks, changes, 1, block_ids[i]
     _reset(delta, seen, block_ids)
+    same = deltas.size == 1
     for i in range(block_ids.size):
-        delta[block_ids[i]] += deltas[i]
+        delta[block_ids[i]] += deltas[0] if same else deltas[i]
     distinct = np.empty(block_ids.size, np.int64)
     num_distinct = _first_seen(seen, block_ids, distinct, 0)
     block_size = count_effects.shape[0] - 1
