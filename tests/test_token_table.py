@@ -261,6 +261,10 @@ def test_evict_returns_the_blocks_it_emptied_and_updates_the_pool() -> None:
     ([7, 6], "token 6 is already evicted"),
     ([4, 1], "token 1 is in the shared prefix"),
     ([5, 5], "repeated ids"),
+    ([7, 5, 7], "repeated ids"),  # not ascending
+    ([6, 10], "cannot evict unknown token 10"),  # unknown before dead
+    ([1, 6], "token 6 is already evicted"),  # dead before pinned
+    ([8, 2, 1, 5], "token 2 is in the shared prefix"),  # the first of them, in the order given
 ])
 def test_evict_of_a_bad_id_raises_and_changes_nothing(token_ids: list[int], message: str) -> None:
     pool = make_pool()

@@ -19,6 +19,8 @@ counts the step's appends in one batch, not a few calls per request.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 
 from vtoken.errors import ConfigError, VTokenError
@@ -28,6 +30,19 @@ from vtoken.kv.token_arena import TokenArena
 NUM_HISTOGRAM_BINS = 10
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
 ONE_TOKEN_LESS = np.array([-1], dtype=np.int64)  # `adjust_live`'s deltas for one token less in each block named
+_compiled_loops: ModuleType | None = None
+
+
+def compiled_loops() -> ModuleType:
+    """vtoken.kv.compiled, imported at the first call that needs it, so that numba is not
+    imported with the pool; a module global after that, because an import statement in a
+    function that runs on every eviction event costs more than the compiled call it serves."""
+    global _compiled_loops
+    if _compiled_loops is None:
+        from vtoken.kv import compiled
+
+        _compiled_loops = compiled
+    return _compiled_loops
 NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
 
 
@@ -191,19 +206,41 @@ class BlockPool:
         moves (-1 at a source, +1 at a destination), in one compiled loop over the blocks
         (kv/compiled.py). Checked first, so that a rejected call changes nothing. Returns the
         blocks it left without a live token, ascending."""
-        from vtoken.kv.compiled import change_live_counts
-
-        emptied, changes, reason, block_id = change_live_counts(
+        emptied, changes, reason, block_id = compiled_loops().change_live_counts(
             np.asarray(block_ids, dtype=np.int64), np.asarray(deltas, dtype=np.int64), self._live_counts, self.ref_counts,
             self._count_effects, self.scratch("adjust_live delta", np.int64), self.scratch("adjust_live seen", bool))
+        if reason:
+            self._refuse_live_change(reason, block_id)
+        self.num_live_tokens += self._add_to_counts(changes.tolist())
+        return emptied
+
+    def remove_evicted_tokens(self, token_ids: np.ndarray, live: np.ndarray, slot: np.ndarray, num_pinned: int,
+                              num_tokens: int) -> tuple[np.ndarray, int, int]:
+        """A token table's batch eviction of `token_ids` (int64), checked and written in one
+        compiled loop (kv/compiled.py, `evict_tokens`): the table's live bits (`live`, per
+        logical token, and `slot`, its slots, are the table's arrays), the reverse-map entries
+        and the blocks' live counts, for a table whose pending appends are counted (its
+        `flush`). Returns (the blocks left without a live token, ascending; 0; -1), or, having
+        changed nothing, the table's refusal (compiled.UNKNOWN_TOKEN ... REPEATED_TOKEN) and the
+        id it names, for the table to report; raises the pool's own refusals."""
+        loops = compiled_loops()
+        emptied, changes, reason, culprit = loops.evict_tokens(
+            token_ids, live, slot, self._token_at, num_pinned, num_tokens, self.block_size, self._live_counts,
+            self.ref_counts, self._count_effects, self.scratch("adjust_live delta", np.int64),
+            self.scratch("adjust_live seen", bool))
+        if reason > loops.REPEATED_TOKEN:
+            self._refuse_live_change(reason - loops.REPEATED_TOKEN, culprit)
+        if reason == 0:
+            self.num_live_tokens += self._add_to_counts(changes.tolist())
+        return emptied, reason, culprit
+
+    def _refuse_live_change(self, reason: int, block_id: int) -> None:
+        """Raise `change_live_counts`' refusal `reason` (1-3) of `block_id`."""
         if reason == 1:
             raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): [{block_id}]")
         if reason == 2:
             raise VTokenError(f"live-count change on free blocks [{block_id}]")
-        if reason == 3:
-            raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
-        self.num_live_tokens += self._add_to_counts(changes.tolist())
-        return emptied
+        raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
 
     def add_live(self, block_id: int, delta: int) -> int:
         """`adjust_live` for one block: the per-token path of growth and eviction. Returns the

@@ -1,50 +1,29 @@
-"""The substrate's loops over blocks and tokens, compiled (numba): a reclamation round step's,
-and an eviction's live counts.
+"""The substrate's loops over blocks and tokens, compiled (numba, vtoken/jit.py): a
+reclamation round step's, and an eviction's.
 
 A round step plans, checks and lands the plans of a few requests at once: integer bookkeeping
 over their blocks and moved tokens, no policy rule and no floating point. Written as numpy
 calls over the round's arrays it is a few dozen calls, each a few microseconds whatever it
 does, which set a floor under a round step however few tokens it moves (README, issue 17's
-substrate table). Here each is one loop over the entries it reads. The pool's side of a batch
-eviction (a decode step's, one token per request) and of a round's landing is one more: the
-blocks' live counts and the pool's histogram (`BlockPool.adjust_live`).
+substrate table). Here each is one loop over the entries it reads. So are the pool's live
+counts and histogram (`change_live_counts`: a decode step's evictions, one token per request,
+and a round's landing) and a table's batch eviction whole (`evict_tokens`: its checks, live
+bits and reverse-map entries, and those counts), which an eviction event pays on every
+policy run.
 
-Imported by its callers when a process first evicts or reclaims: numba and the compilation
-(cached on disk after the first run) are not paid by commands that do neither. They take the
-arrays as the pool and the tables keep them (int64 ids, int32 counts), so that one compiled
-version serves every call.
+Imported by their callers when a process first evicts or reclaims, or where an engine starts
+(engine/warmup.py). They take the arrays as the pool and the tables keep them (int64 ids, int32
+counts), so that one compiled version serves every call.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from llvmlite.binding import ffi
+
+from vtoken.jit import njit
 
 
-def _give_llvmlite_a_namespace() -> None:
-    """Make `vars()` of llvmlite's FFI library object a dict, so that vLLM starts beside numba.
-
-    A vLLM 0.32 CPU worker, at `init_worker`, rebinds its Triton kernel overrides by scanning
-    every attribute of every module in `sys.modules` and calling `vars(value).get("kernel")` on
-    each one that has a `__dict__` (vllm/triton_utils/dispatcher.py, `_rebind_kernels`).
-    llvmlite's library object (`llvmlite.binding.ffi.lib`, loaded by numba) has `__slots__` and
-    a `__getattr__` that looks every name up as a symbol of its shared library, so `__dict__`
-    comes back as one of its function wrappers and the scan raises AttributeError: without this,
-    no vLLM engine can start in a process after its first reclamation round. The wrapper caches
-    the names it has looked up in a table, which is read before the library, and an empty dict
-    under `__dict__` there answers the scan with "no kernel". tests/test_compiled.py runs the
-    scan after this module's import and fails if llvmlite changes so that this stops holding.
-    """
-    table = getattr(ffi.lib, "_fntab", None)
-    if isinstance(table, dict) and not isinstance(table.get("__dict__"), dict):
-        table["__dict__"] = {}
-
-
-_give_llvmlite_a_namespace()
-
-
-@numba.njit(cache=True, nogil=True)
+@njit
 def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token_at, block_size, max_src_blocks):
     """The hole-fill plans of the requests whose movable blocks are block_ids[starts[k]:ends[k]]
     (planning.plan_hole_fill_each: the sources are the longest run of blocks from the end
@@ -124,7 +103,7 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token
     return num_src, num_moves, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def _is_distinct(values):
     """No value repeats (one pass when they ascend, as the plans' usually do; else a sort)."""
     for i in range(1, values.size):
@@ -137,7 +116,7 @@ def _is_distinct(values):
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def _first_outside(values, end):
     for i in range(values.size):
         if not 0 <= values[i] < end:
@@ -145,12 +124,12 @@ def _first_outside(values, end):
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def _within(values, end):
     return _first_outside(values, end) < 0
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def _unlabel(holder, source, new, blocks):
     for b in blocks:
         holder[b] = -1
@@ -158,7 +137,7 @@ def _unlabel(holder, source, new, blocks):
         new[b] = -1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offsets, dst_blocks, dst_offsets,
                  at, arena_live, arena_slot, sources, source_of, new_blocks, new_of, held_blocks, holder_of,
                  pinned_blocks, open_tails, ref_counts, live_counts, token_at, holder, source, new, forbidden, block_size):
@@ -245,14 +224,14 @@ def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offs
     return _is_distinct(dst_slots)
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def _reset(delta, seen, blocks):
     for b in blocks:
         delta[b] = 0
         seen[b] = False
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def _first_seen(seen, blocks, distinct, num_distinct):
     for b in blocks:
         if not seen[b]:
@@ -262,7 +241,7 @@ def _first_seen(seen, blocks, distinct, num_distinct):
     return num_distinct
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
     """planning.Movables of several requests, whose candidate blocks (held, past the pinned
     prefix, the open tail left out) are held[...] end to end, sizes[k] of request k: the blocks
@@ -293,7 +272,7 @@ def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
     return block_ids[:num_kept], counts[:num_kept], starts, ends, num_live, num_reclaimable
 
 
-@numba.njit(cache=True, nogil=True)
+@njit
 def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects, delta, seen):
     """Add deltas[i] live tokens to block_ids[i], or deltas[0] to every one when `deltas` has
     one entry (ids may repeat: their deltas add up; an eviction gives -1 per token, landed moves -1 at their sources and +1 at their
@@ -336,3 +315,54 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
             emptied[num_emptied] = b
             num_emptied += 1
     return np.sort(emptied[:num_emptied]), changes, 0, -1
+
+
+# evict_tokens' refusals of the table's ids; the pool's (change_live_counts') follow, shifted by 4
+UNKNOWN_TOKEN, DEAD_TOKEN, PINNED_TOKEN, REPEATED_TOKEN = 1, 2, 3, 4
+
+
+@njit
+def evict_tokens(token_ids, live, slot, token_at, num_pinned, num_tokens, block_size,
+                 live_counts, ref_counts, count_effects, delta, seen):
+    """One table's batch eviction (TokenTable.evict_tokens): the ids' live bits cleared, their
+    slots' reverse-map entries cleared, and one live token less in the block of each
+    (change_live_counts, whose changes to the pool's counts it returns).
+
+    `live` and `slot` are the table's per-token arrays, `token_at` the pool's reverse map.
+    Checked before anything is written, in this order, the first id or block that fails named:
+    an id outside [0, num_tokens) (UNKNOWN_TOKEN), one already dead (DEAD_TOKEN), one in the
+    pinned prefix (PINNED_TOKEN), an id given twice (REPEATED_TOKEN), then the pool's refusals
+    (change_live_counts' reason + 4). Returns (the blocks left without a live token, ascending;
+    the changes; 0 or the reason; -1 or the id or block named)."""
+    changes = np.zeros(count_effects.shape[1], np.int64)
+    no_blocks = np.empty(0, np.int64)
+    ascending = True
+    for i in range(token_ids.size):
+        t = token_ids[i]
+        if t < 0 or t >= num_tokens:
+            return no_blocks, changes, UNKNOWN_TOKEN, t
+        if i and t <= token_ids[i - 1]:
+            ascending = False
+    for i in range(token_ids.size):
+        if not live[token_ids[i]]:
+            return no_blocks, changes, DEAD_TOKEN, token_ids[i]
+    for i in range(token_ids.size):
+        if token_ids[i] < num_pinned:
+            return no_blocks, changes, PINNED_TOKEN, token_ids[i]
+    if not ascending:  # distinct ids ascend once sorted without two equal neighbours
+        ordered = np.sort(token_ids)
+        for i in range(1, ordered.size):
+            if ordered[i] == ordered[i - 1]:
+                return no_blocks, changes, REPEATED_TOKEN, ordered[i]
+    block_ids = np.empty(token_ids.size, np.int64)
+    for i in range(token_ids.size):
+        block_ids[i] = slot[token_ids[i]] // block_size
+    emptied, changes, reason, block = change_live_counts(block_ids, np.full(1, -1, np.int64), live_counts, ref_counts,
+                                                         count_effects, delta, seen)
+    if reason:
+        return emptied, changes, REPEATED_TOKEN + reason, block
+    for i in range(token_ids.size):
+        t = token_ids[i]
+        token_at[slot[t]] = -1
+        live[t] = False
+    return emptied, changes, 0, -1

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vtoken.errors import VTokenError
-from vtoken.kv.arrays import is_distinct, isin
-from vtoken.kv.block_pool import NO_BLOCKS
+from vtoken.kv.arrays import isin
+from vtoken.kv.block_pool import NO_BLOCKS, compiled_loops
 
 if TYPE_CHECKING:
     from vtoken.kv.token_table import TokenTable
@@ -34,17 +34,16 @@ class EvictionVerbs:
         """
         if type(token_ids) is np.ndarray and token_ids.size == 1 and token_ids.dtype.kind in "iu":  # the per-step case
             return self._evict_one(token_ids.item())
-        token_ids = np.asarray(token_ids, dtype=np.int64)
+        token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)  # the compiled loop's one layout
         if token_ids.size == 0:
             return NO_BLOCKS
         if token_ids.size == 1:
             return self._evict_one(int(token_ids.flat[0]))
-        self._check_evictable(token_ids)
-        self.flush()
-        slots = self._slot[token_ids]
-        emptied = self.pool.remove_live_tokens_in(slots // self.block_size)
-        self._token_at[slots] = -1
-        self._live[token_ids] = False
+        self.flush()  # the blocks' counts must be whole before they can tell whether they emptied
+        emptied, reason, token_id = self.pool.remove_evicted_tokens(token_ids, self._live, self._slot,
+                                                                    self.num_pinned_tokens, self.num_tokens)
+        if reason:
+            self._refuse_eviction(reason, token_id)
         self._num_dead += token_ids.size
         self._uncompacted_floor -= token_ids.size
         self._cache.is_valid = False
@@ -123,23 +122,13 @@ class EvictionVerbs:
         self._uncompacted_floor -= 1
         self.layout_version += 1
 
-    def _check_evictable(self, token_ids: np.ndarray) -> None:
-        """Raises for an unknown, dead, pinned or repeated id. Ids that ascend (a policy's
-        victims) are distinct and within their two ends: one comparison pass and one gather."""
-        if (token_ids.item(0) >= self.num_pinned_tokens and token_ids.item(-1) < self.num_tokens
-                and not np.count_nonzero(token_ids[1:] <= token_ids[:-1])
-                and np.count_nonzero(self._live[token_ids]) == token_ids.size):
-            return
-        out_of_range = (token_ids < 0) | (token_ids >= self.num_tokens)
-        if out_of_range.any():
-            bad = token_ids[out_of_range][0]
-            raise VTokenError(f"request {self.req_id}: cannot evict unknown token {bad} (length {self.num_tokens})")
-        live = self._live[token_ids]
-        if not live.all():
-            bad = token_ids[~live][0]
-            raise VTokenError(f"request {self.req_id}: token {bad} is already evicted")
-        if token_ids.min() < self.num_pinned_tokens:
-            bad = token_ids[token_ids < self.num_pinned_tokens][0]
-            raise VTokenError(f"request {self.req_id}: token {bad} is in the shared prefix and cannot be evicted")
-        if not is_distinct(token_ids):  # a policy's victims ascend: one comparison pass
-            raise VTokenError(f"request {self.req_id}: evict_tokens got repeated ids")
+    def _refuse_eviction(self, reason: int, token_id: int) -> None:
+        """Raise the pool's refusal `reason` of `token_id` (`BlockPool.remove_evicted_tokens`)."""
+        compiled_reasons = compiled_loops()
+        if reason == compiled_reasons.UNKNOWN_TOKEN:
+            raise VTokenError(f"request {self.req_id}: cannot evict unknown token {token_id} (length {self.num_tokens})")
+        if reason == compiled_reasons.DEAD_TOKEN:
+            raise VTokenError(f"request {self.req_id}: token {token_id} is already evicted")
+        if reason == compiled_reasons.PINNED_TOKEN:
+            raise VTokenError(f"request {self.req_id}: token {token_id} is in the shared prefix and cannot be evicted")
+        raise VTokenError(f"request {self.req_id}: evict_tokens got repeated ids")
