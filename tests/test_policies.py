@@ -27,7 +27,8 @@ from vtoken.policies import (
     num_victims,
     protected_mask,
 )
-from vtoken.policies.base import SAMPLED_SELECTION_MIN_VALUES, lowest_positions
+from vtoken.policies.base import lowest_positions
+from vtoken.policies.selection import HEAP_MAX_SHARE
 
 POLICY_DIR = Path(__file__).resolve().parents[1] / "vtoken" / "policies"
 FORBIDDEN_MODULES = ("vtoken.kv", "torch", "typer", "rich")
@@ -385,33 +386,38 @@ def test_every_victim_ranks_below_every_kept_evictable_token(policy_name: str, v
 
 @st.composite
 def score_arrays(draw: st.DrawFn) -> np.ndarray:
-    """Scores past the sampled path's size, in orders that put the smallest anywhere (random,
-    ascending, descending, a sawtooth, or exactly where the sample looks), with ties from few
-    distinct values, and an odd NaN."""
-    num_values = draw(st.one_of(st.integers(1, 600), st.integers(SAMPLED_SELECTION_MIN_VALUES, 4000)))
+    """Scores few and many, in orders that put the smallest anywhere (random, ascending,
+    descending, a sawtooth, or at a strided sample's places), with ties from few distinct
+    values, and an odd NaN, or NaN nearly everywhere (so that the k-th smallest of few is NaN)."""
+    num_values = draw(st.one_of(st.integers(1, 600), st.integers(3000, 4000)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     values = rng.pareto(1.5, num_values) if draw(st.booleans()) else rng.integers(0, draw(st.integers(1, 6)), num_values).astype(np.float64)
-    order = draw(st.sampled_from(["random", "ascending", "descending", "sawtooth", "small-where-sampled"]))
+    order = draw(st.sampled_from(["random", "ascending", "descending", "sawtooth", "small-at-strides"]))
     if order == "ascending":
         values = np.sort(values)
     elif order == "descending":
         values = np.sort(values)[::-1].copy()
     elif order == "sawtooth":
         values = np.sort(values)[np.argsort(np.arange(num_values) % 64, kind="stable")]
-    elif order == "small-where-sampled":  # the sample sees only the smallest: its bound is too low
+    elif order == "small-at-strides":  # the smallest at every 64th place
         sampled = values[:: max(1, num_values // 64)]
         sampled[:] = values.min() - 1.0 - np.arange(sampled.size)
-    if draw(st.booleans()) and num_values > 1:
+    nans = draw(st.sampled_from(["none", "one", "nearly all"]))
+    if nans == "one" and num_values > 1:
         values[rng.integers(0, num_values)] = np.nan
+    elif nans == "nearly all":
+        values[rng.permutation(num_values)[: num_values - num_values // 64]] = np.nan
+    elif draw(st.booleans()) and np.array_equal(values, np.round(values)):  # Scissorhands' counts are int32
+        values = values.astype(np.int32)
     return values
 
 
 @settings(max_examples=300, deadline=None)
 @given(values=score_arrays(), data=st.data())
 def test_lowest_positions_are_what_a_full_partition_selects(values: np.ndarray, data) -> None:
-    """The sampled selection (few of many) and the full one give the positions a partition of
+    """The heap (few of many) and the partition (many) give the positions numpy's partition of
     every value selects: all below the k-th smallest, then the lowest positions of its ties."""
-    k = data.draw(st.one_of(st.integers(1, max(1, values.size // 32)), st.integers(1, values.size)))  # few: the sampled path
+    k = data.draw(st.one_of(st.integers(1, max(1, values.size // HEAP_MAX_SHARE)), st.integers(1, values.size)))  # few: the heap
     kth_value = np.partition(values, k - 1)[k - 1]
     chosen = values <= kth_value
     if np.count_nonzero(chosen) > k:

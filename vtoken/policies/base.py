@@ -30,9 +30,6 @@ _PERCENT_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)%")
 _COUNT_PATTERN = re.compile(r"\d+")
 _RATIO_PATTERN = re.compile(r"\d*\.\d+|\d+\.")
 _BUDGET_FORMS = "a keep ratio ('50%' or '0.5') or a token count ('512')"
-# `lowest_positions` selects from a strided sample's bound from this many values on; a full
-# selection below it (the crossover measured by benchmarks/bench_selection.py)
-SAMPLED_SELECTION_MIN_VALUES = 3000
 
 
 @dataclass(frozen=True)
@@ -195,46 +192,20 @@ def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
     k-th smallest to the lower positions: everything strictly below the k-th smallest, then as
     many of the ties at it as still fit. Without ties past the k-th (the usual case for
     real-valued scores) that is every value up to it. (A NaN sorts last, and compares neither
-    below nor equal: a k-th smallest that is NaN selects only the values below it.)
+    below nor equal: a k-th smallest that is NaN selects nothing.)
 
-    O(n), not a sort. When k is a small share of many values (a policy's periodic run evicts a
-    few dozen of several thousand), the selection runs over the values up to a bound taken from
-    a strided sample of 64 instead of over them all: the bound lies above about 4k of the
-    values, and when fewer than k lie at or below it, the k smallest reach above it and all
-    values are searched. The sample costs about 9 us whatever the size, a full selection about
-    5 us and 3-4 ns a value (numpy 2.4's partition, with its compare and nonzero passes), so
-    the sample pays from about 3,000 values on (`SAMPLED_SELECTION_MIN_VALUES`)."""
-    if values.size >= SAMPLED_SELECTION_MIN_VALUES and k * 32 <= values.size:
-        positions = _lowest_below_sampled_bound(values, k)
-        if positions is not None:
-            return positions
-    return _lowest_of(values, k)
+    O(n), not a sort, compiled (policies/selection.py): a policy's periodic run selects a few
+    dozen of several thousand scores on every request's eviction event, where numpy's
+    partition and the passes around it cost several times the compiled loop."""
+    global _compiled_lowest_positions
+    if _compiled_lowest_positions is None:  # imported at the first call: numba is not imported with the policies
+        from vtoken.policies.selection import lowest_positions as compiled
+
+        _compiled_lowest_positions = compiled
+    return _compiled_lowest_positions(values, k)
 
 
-def _lowest_below_sampled_bound(values: np.ndarray, k: int) -> np.ndarray | None:
-    """`lowest_positions` among the values up to a strided sample's bound, or None when fewer
-    than k lie at or below it."""
-    num_values = values.size
-    sample = np.sort(values[:: num_values // 64])
-    bound = sample[min(sample.size - 1, 4 * k * sample.size // num_values + 1)]
-    candidates = (values <= bound).nonzero()[0]
-    if candidates.size < k:
-        return None
-    # the k smallest, and every tie of the k-th, are at or below the bound
-    return candidates[_lowest_of(values[candidates], k)]
-
-
-def _lowest_of(values: np.ndarray, k: int) -> np.ndarray:
-    """`lowest_positions` over all of `values`."""
-    kth_value = np.partition(values, k - 1)[k - 1]
-    chosen = values <= kth_value
-    positions = chosen.nonzero()[0]
-    if positions.size <= k:
-        return positions
-    chosen = values < kth_value
-    tied = (values == kth_value).nonzero()[0][: k - int(np.count_nonzero(chosen))]
-    chosen[tied] = True
-    return chosen.nonzero()[0]
+_compiled_lowest_positions = None
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:
