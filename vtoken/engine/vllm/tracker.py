@@ -42,6 +42,7 @@ from vtoken.engine.eviction import EvictionClock, EvictionEvent, EvictionSchedul
 from vtoken.engine.scores import AttentionStats
 from vtoken.engine.vllm.plan import StepPlan
 from vtoken.engine.vllm.settings import VllmSettings
+from vtoken.engine.warmup import warm_compiled_loops
 from vtoken.errors import InvariantError, VTokenError
 from vtoken.invariants import check_conservation, check_unique_mapping
 from vtoken.kv.block_pool import BlockPool, waste_ratio
@@ -124,6 +125,8 @@ class VTokenTracker:
         self._num_synced: dict[str, int] = {}  # tokens each request got since the last step plan
         self.num_checks = dict.fromkeys(("I1", "I2", "I3"), 0)  # checks run (check_invariants)
         self.counters = RunCounters()
+        if settings.evicts:  # not at the first eviction, which would stall that step's batch
+            warm_compiled_loops()
 
     # ---- identities ----------------------------------------------------------------------------
 

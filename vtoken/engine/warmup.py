@@ -1,0 +1,45 @@
+"""Load the compiled loops before a server's first step needs them.
+
+The substrate's loops and a policy's selection are compiled with numba (vtoken/jit.py) and
+imported when a process first evicts or reclaims. Loading them from numba's cache takes about
+half a second, compiling them (the first run in an environment) several: a server that loads
+them at its first eviction stalls that step, and every request in its batch with it. An engine
+calls `warm_compiled_loops()` where it starts instead (the vLLM scheduler's tracker does).
+
+It runs a small eviction and reclamation on a pool of its own through the substrate's verbs,
+the call sites a replay or a server uses, so that each loop is typed by the arrays the
+substrate really passes; then the selection over each dtype a policy ranks by (float scores,
+Scissorhands' int32 counts). tests/test_warmup.py replays workloads after it and fails if any
+loop compiles again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.compaction import plan_compaction
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
+from vtoken.kv.token_table import TokenTable
+from vtoken.policies.base import lowest_positions
+
+BLOCK_SIZE = 4
+SCORE_DTYPES = (np.float64, np.int32, np.int64)  # attention_sum and attention_last; importance_count; token ids (StreamingLLM)
+
+
+def warm_compiled_loops() -> None:
+    """Compile or load every compiled loop for the types the runtime passes it."""
+    from vtoken.invariants import check_round
+
+    pool = BlockPool(16, BLOCK_SIZE)
+    tables = [TokenTable(req_id, pool) for req_id in range(2)]
+    for table in tables:
+        table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(12)), 12)
+        table.evict_tokens(np.array([1, 2, 5, 6], dtype=np.int64))  # the table's and the pool's counts
+    plans = Reclaimer(ReclaimConfig(max_moves_per_step=None), pool).plan(tables)  # planning
+    check_round(plans, tables, pool, frozenset())  # I4
+    TokenTable.apply_moves_each(tables, [plan.moves for plan in plans], [table.layout_version for table in tables])
+    tables[0].apply_moves(plan_compaction(tables[0], "hole-fill"))  # landing, one table's and a round's
+    for dtype in SCORE_DTYPES:
+        for k in (1, 8):  # the heap and the partition
+            lowest_positions(np.arange(64, 0, -1).astype(dtype)[:k * 32], k)
