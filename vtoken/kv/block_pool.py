@@ -30,20 +30,22 @@ from vtoken.kv.token_arena import TokenArena
 NUM_HISTOGRAM_BINS = 10
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
 ONE_TOKEN_LESS = np.array([-1], dtype=np.int64)  # `adjust_live`'s deltas for one token less in each block named
+NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
+
 _compiled_loops: ModuleType | None = None
 
 
 def compiled_loops() -> ModuleType:
     """vtoken.kv.compiled, imported at the first call that needs it, so that numba is not
-    imported with the pool; a module global after that, because an import statement in a
-    function that runs on every eviction event costs more than the compiled call it serves."""
+    imported with the pool; a module global after that: an import statement in a function
+    that runs on every eviction event cost about a third of the compiled call it served (a
+    sampling profile of a replay)."""
     global _compiled_loops
     if _compiled_loops is None:
         from vtoken.kv import compiled
 
         _compiled_loops = compiled
     return _compiled_loops
-NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
 
 
 class BlockPool:
@@ -217,12 +219,12 @@ class BlockPool:
     def remove_evicted_tokens(self, token_ids: np.ndarray, live: np.ndarray, slot: np.ndarray, num_pinned: int,
                               num_tokens: int) -> tuple[np.ndarray, int, int]:
         """A token table's batch eviction of `token_ids` (int64), checked and written in one
-        compiled loop (kv/compiled.py, `evict_tokens`): the table's live bits (`live`, per
-        logical token, and `slot`, its slots, are the table's arrays), the reverse-map entries
-        and the blocks' live counts, for a table whose pending appends are counted (its
-        `flush`). Returns (the blocks left without a live token, ascending; 0; -1), or, having
-        changed nothing, the table's refusal (compiled.UNKNOWN_TOKEN ... REPEATED_TOKEN) and the
-        id it names, for the table to report; raises the pool's own refusals."""
+        compiled loop (kv/compiled.py, `evict_tokens`): the ids' live bits in `live` and their
+        slots' reverse-map entries cleared, one live token less in the block of each. `live` and
+        `slot` are the table's per-token arrays; its pending appends must be counted first
+        (its `flush`). Returns (the blocks left without a live token, ascending; 0; -1), or,
+        having changed nothing, the refusal of an id (compiled.UNKNOWN_TOKEN ... REPEATED_TOKEN)
+        and the id, for the table to report; raises the pool's own refusals."""
         loops = compiled_loops()
         emptied, changes, reason, culprit = loops.evict_tokens(
             token_ids, live, slot, self._token_at, num_pinned, num_tokens, self.block_size, self._live_counts,

@@ -187,6 +187,9 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     return view.token_ids[lowest_positions(scores[lo:hi], num_evict) + lo].astype(np.int64, copy=False)
 
 
+_compiled_lowest_positions = None
+
+
 def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
     """Positions of the k smallest of `values` (1 <= k <= values.size), ascending, ties at the
     k-th smallest to the lower positions: everything strictly below the k-th smallest, then as
@@ -195,17 +198,16 @@ def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
     below nor equal: a k-th smallest that is NaN selects nothing.)
 
     O(n), not a sort, compiled (policies/selection.py): a policy's periodic run selects a few
-    dozen of several thousand scores on every request's eviction event, where numpy's
-    partition and the passes around it cost several times the compiled loop."""
+    dozen of a few hundred to a few thousand scores at every eviction event, where numpy's
+    partition and the passes around it cost 2-6x the compiled loop, warm
+    (benchmarks/bench_selection.py; at 32,000 values numpy's search below a sampled bound was
+    the faster)."""
     global _compiled_lowest_positions
     if _compiled_lowest_positions is None:  # imported at the first call: numba is not imported with the policies
         from vtoken.policies.selection import lowest_positions as compiled
 
         _compiled_lowest_positions = compiled
     return _compiled_lowest_positions(values, k)
-
-
-_compiled_lowest_positions = None
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:
