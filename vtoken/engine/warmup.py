@@ -37,9 +37,11 @@ def warm_compiled_loops() -> None:
         table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(12)), 12)
         table.evict_tokens(np.array([1, 2, 5, 6], dtype=np.int64))  # the table's and the pool's counts
     plans = Reclaimer(ReclaimConfig(max_moves_per_step=None), pool).plan(tables)  # planning
-    check_round(plans, tables, pool, frozenset())  # I4
-    TokenTable.apply_moves_each(tables, [plan.moves for plan in plans], [table.layout_version for table in tables])
-    tables[0].apply_moves(plan_compaction(tables[0], "hole-fill"))  # landing, one table's and a round's
+    assert plans, "the warm-up's layout gave the reclaimer nothing to plan"
+    planned = [tables[plan.req_id] for plan in plans]
+    check_round(plans, planned, pool, frozenset())  # I4
+    TokenTable.apply_moves_each(planned, [plan.moves for plan in plans], [table.layout_version for table in planned])  # a round's landing
+    tables[0].apply_moves(plan_compaction(tables[0], "hole-fill"))  # a vLLM tracker's compaction
     for dtype in SCORE_DTYPES:
         for k in (1, 8):  # the heap and the partition
             lowest_positions(np.arange(64, 0, -1).astype(dtype)[:k * 32], k)
