@@ -190,3 +190,25 @@ def test_a_vllm_worker_can_start_after_the_compiled_loops_ran():
     done = subprocess.run([sys.executable, "-c", KERNEL_SCAN], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+NATIVE_REPLAY = """
+import sys
+from vtoken.engine import Experiment, run_sim
+from vtoken.hardware import resolve_gpu
+from vtoken.model_spec import resolve_model
+from vtoken.trace import Request
+
+experiment = Experiment(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), num_blocks=400)
+result = run_sim(experiment.run("native", 8), [Request(str(i), 0.0, 300, 50) for i in range(20)])
+print(result.num_requests, "numba" in sys.modules)
+"""
+
+
+def test_a_replay_that_neither_evicts_nor_reclaims_does_not_import_numba():
+    """The compiled loops are loaded at the first eviction or reclamation (kv/live_counts.py,
+    `compiled_loops`; policies/base.py), so native's replay pays neither numba's import nor a
+    compilation."""
+    done = subprocess.run([sys.executable, "-c", NATIVE_REPLAY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["20", "False"]

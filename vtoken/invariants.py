@@ -21,6 +21,7 @@ import numpy as np
 from vtoken.errors import InvariantError
 from vtoken.kv.arrays import is_distinct, isin
 from vtoken.kv.block_pool import BlockPool
+from vtoken.kv.live_counts import compiled_loops
 from vtoken.kv.moves import RelocationPlan
 from vtoken.kv.token_table import TokenTable
 
@@ -227,10 +228,8 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     # the moved tokens' live bits and slots are read in the pool's arena (token_arena.py); the
     # block labels are written in pool-sized arrays the pool keeps, only where they are read: a
     # fresh pool-sized array would pay the first touch of every page the round writes
-    from vtoken.kv.compiled import round_passes
-
     arena = pool.token_arena
-    return round_passes(
+    return compiled_loops().round_passes(
         num_plans, np.array(num_tokens, dtype=np.int64), token_ids, move_of,
         np.concatenate([m.src_block_ids for m in moves]), np.concatenate([m.src_offsets for m in moves]),
         np.concatenate([m.dst_block_ids for m in moves]), np.concatenate([m.dst_offsets for m in moves]),

@@ -1,22 +1,24 @@
 """Load the compiled loops before a server's first step needs them.
 
 The substrate's loops and a policy's selection are compiled with numba (vtoken/jit.py) and
-imported when a process first evicts or reclaims. Loading them from numba's cache takes about
-half a second, compiling them (the first run in an environment) several: a server that loads
-them at its first eviction stalls that step, and every request in its batch with it. An engine
-calls `warm_compiled_loops()` where it starts instead (the vLLM scheduler's tracker does).
+imported when a process first evicts or reclaims. Loading them from numba's cache takes over
+half a second, compiling them (the first run in an environment) some 18-20 s (the README's vLLM
+section gives the command): a server that loads them at its first eviction stalls that step,
+and every request in its batch with it. An engine calls `warm_compiled_loops()` where it starts
+instead (the vLLM scheduler's tracker does).
 
 It runs a small eviction and reclamation on a pool of its own through the substrate's verbs,
 the call sites a replay or a server uses, so that each loop is typed by the arrays the
 substrate really passes; then the selection over each dtype a policy ranks by (float scores,
-Scissorhands' int32 counts). tests/test_warmup.py replays workloads after it and fails if any
-loop compiles again.
+Scissorhands' int32 counts, StreamingLLM's int64 token ids). tests/test_warmup.py replays
+workloads after it and fails if any loop compiles again.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.compaction import plan_compaction
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
@@ -29,8 +31,6 @@ SCORE_DTYPES = (np.float64, np.int32, np.int64)  # attention_sum and attention_l
 
 def warm_compiled_loops() -> None:
     """Compile or load every compiled loop for the types the runtime passes it."""
-    from vtoken.invariants import check_round
-
     pool = BlockPool(16, BLOCK_SIZE)
     tables = [TokenTable(req_id, pool) for req_id in range(2)]
     for table in tables:

@@ -19,36 +19,17 @@ counts the step's appends in one batch, not a few calls per request.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 
 from vtoken.errors import ConfigError, VTokenError
-from vtoken.kv.arrays import block_slots, count_by_block, is_distinct
+from vtoken.kv.arrays import block_slots, is_distinct
+from vtoken.kv.live_counts import NUM_HISTOGRAM_BINS, LiveCounts
 from vtoken.kv.token_arena import TokenArena
 
-NUM_HISTOGRAM_BINS = 10
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
-ONE_TOKEN_LESS = np.array([-1], dtype=np.int64)  # `adjust_live`'s deltas for one token less in each block named
 NO_BLOCKS.flags.writeable = False  # returned by every eviction that empties no block
 
-_compiled_loops: ModuleType | None = None
-
-
-def compiled_loops() -> ModuleType:
-    """vtoken.kv.compiled, imported at the first call that needs it, so that numba is not
-    imported with the pool; a module global after that: an import statement in a function
-    that runs on every eviction event cost about a third of the compiled call it served (a
-    sampling profile of a replay)."""
-    global _compiled_loops
-    if _compiled_loops is None:
-        from vtoken.kv import compiled
-
-        _compiled_loops = compiled
-    return _compiled_loops
-
-
-class BlockPool:
+class BlockPool(LiveCounts):
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0:
             raise ConfigError(f"num_blocks must be > 0, got {num_blocks}")
@@ -200,155 +181,7 @@ class BlockPool:
     def is_shared(self, block_ids: np.ndarray) -> np.ndarray:
         return self.ref_counts[np.asarray(block_ids, dtype=np.int64)] > 1
 
-    # ---- live tokens -----------------------------------------------------------------------
-
-    def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:
-        """Add `deltas[i]` live tokens to `block_ids[i]`, or `deltas[0]` to each when `deltas`
-        has one entry (int64 ids of allocated blocks; an id may repeat, its deltas add up): a table's appends, a batch eviction (-1 a token), landed
-        moves (-1 at a source, +1 at a destination), in one compiled loop over the blocks
-        (kv/compiled.py). Checked first, so that a rejected call changes nothing. Returns the
-        blocks it left without a live token, ascending."""
-        emptied, changes, reason, block_id = compiled_loops().change_live_counts(
-            np.asarray(block_ids, dtype=np.int64), np.asarray(deltas, dtype=np.int64), self._live_counts, self.ref_counts,
-            self._count_effects, self.scratch("adjust_live delta", np.int64), self.scratch("adjust_live seen", bool))
-        if reason:
-            self._refuse_live_change(reason, block_id)
-        self.num_live_tokens += self._add_to_counts(changes.tolist())
-        return emptied
-
-    def remove_evicted_tokens(self, token_ids: np.ndarray, live: np.ndarray, slot: np.ndarray, num_pinned: int,
-                              num_tokens: int) -> tuple[np.ndarray, int, int]:
-        """A token table's batch eviction of `token_ids` (int64), checked and written in one
-        compiled loop (kv/compiled.py, `evict_tokens`): the ids' live bits in `live` and their
-        slots' reverse-map entries cleared, one live token less in the block of each. `live` and
-        `slot` are the table's per-token arrays; its pending appends must be counted first
-        (its `flush`). Returns (the blocks left without a live token, ascending; 0; -1), or,
-        having changed nothing, the refusal of an id (compiled.UNKNOWN_TOKEN ... REPEATED_TOKEN)
-        and the id, for the table to report; raises the pool's own refusals."""
-        loops = compiled_loops()
-        emptied, changes, reason, culprit = loops.evict_tokens(
-            token_ids, live, slot, self._token_at, num_pinned, num_tokens, self.block_size, self._live_counts,
-            self.ref_counts, self._count_effects, self.scratch("adjust_live delta", np.int64),
-            self.scratch("adjust_live seen", bool))
-        if reason > loops.REPEATED_TOKEN:
-            self._refuse_live_change(reason - loops.REPEATED_TOKEN, culprit)
-        if reason == 0:
-            self.num_live_tokens += self._add_to_counts(changes.tolist())
-        return emptied, reason, culprit
-
-    def _refuse_live_change(self, reason: int, block_id: int) -> None:
-        """Raise `change_live_counts`' refusal `reason` (1-3) of `block_id`."""
-        if reason == 1:
-            raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): [{block_id}]")
-        if reason == 2:
-            raise VTokenError(f"live-count change on free blocks [{block_id}]")
-        raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
-
-    def add_live(self, block_id: int, delta: int) -> int:
-        """`adjust_live` for one block: the per-token path of growth and eviction. Returns the
-        block's new live count."""
-        if not 0 <= block_id < self.num_blocks:
-            raise VTokenError(f"adjust_live() got block ids out of range [0, {self.num_blocks}): [{block_id}]")
-        if self.ref_counts.item(block_id) <= 0:
-            raise VTokenError(f"live-count change on free blocks [{block_id}]")
-        old_count = self._live_counts.item(block_id)
-        new_count = old_count + delta
-        if not 0 <= new_count <= self.block_size:
-            raise VTokenError(f"live count of blocks [{block_id}] would leave [0, {self.block_size}]")
-        self._recount(block_id, old_count, new_count)
-        self.num_live_tokens += delta
-        return new_count
-
-    def _count_appends(self, block_id: int, num_tokens: int) -> None:
-        """`num_tokens` appended to `block_id` join its live count (`flush_deferred`);
-        `num_live_tokens` counted them when they were appended."""
-        old_count = self._live_counts.item(block_id)
-        new_count = old_count + num_tokens
-        if not 0 <= new_count <= self.block_size or self.ref_counts.item(block_id) <= 0:
-            raise VTokenError(f"{num_tokens} appended tokens do not fit block {block_id} ({old_count} live)")
-        self._recount(block_id, old_count, new_count)
-
-    def _count_appends_many(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
-        """`_count_appends` of distinct blocks (`flush_deferred`), checked first, so that
-        a rejected call changes nothing."""
-        new_counts = self._live_counts[block_ids] + counts
-        bad = (new_counts > self.block_size) | (self.ref_counts[block_ids] <= 0)
-        if np.count_nonzero(bad):
-            block_id = int(block_ids[bad][0])
-            raise VTokenError(f"{int(counts[bad][0])} appended tokens do not fit block {block_id} ({self._live_counts[block_id]} live)")
-        self._set_live(block_ids, new_counts.astype(np.int32))  # num_live_tokens counted them when appended
-
-    def remove_live_token(self, block_id: int) -> int:
-        """One live token of an allocated block died: `add_live(block_id, -1)` for a caller
-        that holds the block and knew the token live (a token table), so nothing to check.
-        Returns the block's new live count."""
-        old_count = self._live_counts.item(block_id)
-        self._recount(block_id, old_count, old_count - 1)
-        self.num_live_tokens -= 1
-        return old_count - 1
-
-    def remove_live_tokens_in(self, block_ids: np.ndarray) -> np.ndarray:
-        """One live token died in each of `block_ids` (a block repeats once per token it lost):
-        `adjust_live` with -1 each, for a batch eviction by a caller that holds the blocks and
-        counted its own pending appends first (`TokenTable.flush`): another table's pending
-        appends are in that table's blocks. Returns the blocks left without a live token,
-        ascending."""
-        return self.adjust_live(block_ids, ONE_TOKEN_LESS)
-
-    def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
-        """Set one block's live count; its histogram bin and the <= 50% count follow."""
-        self._live_counts[block_id] = new_count
-        histogram, bin_of, is_le_half = self._histogram, self._bin_list, self._is_le_half_list
-        histogram[bin_of[old_count]] -= 1
-        histogram[bin_of[new_count]] += 1
-        self._num_blocks_le_half += is_le_half[new_count] - is_le_half[old_count]
-
-    def _set_live(self, block_ids: np.ndarray, new_counts: np.ndarray) -> int:
-        """Set distinct blocks' live counts; the histogram and the <= 50% count follow. Returns
-        the change in live tokens, for the caller to add to `num_live_tokens` unless it counted
-        them already (appends)."""
-        old_counts = self._live_counts[block_ids]
-        num_counts = self.block_size + 1
-        # blocks gained minus blocks lost at each live count, then what that adds up to: the
-        # histogram's bins, the <= 50% count and the live tokens, in one product
-        by_count = np.bincount(new_counts, minlength=num_counts) - np.bincount(old_counts, minlength=num_counts)
-        self._live_counts[block_ids] = new_counts
-        return self._add_to_counts((by_count @ self._count_effects).tolist())
-
-    def _add_to_counts(self, changes: list[int]) -> int:
-        """Add a change of live counts to the histogram's bins and the <= 50% count: `changes`
-        is a sum of rows of `_count_effects` (bins, <= 50%, live tokens). Returns the change
-        in live tokens, for the caller to add to `num_live_tokens` unless it counted them."""
-        histogram = self._histogram
-        for bin_idx in range(NUM_HISTOGRAM_BINS):
-            if changes[bin_idx]:
-                histogram[bin_idx] += changes[bin_idx]
-        self._num_blocks_le_half += changes[NUM_HISTOGRAM_BINS]
-        return changes[NUM_HISTOGRAM_BINS + 1]
-
     # ---- reads (exact: deferred appends are counted first) -----------------------------------
-
-    def flush_deferred(self) -> None:
-        """Count every pending append: its block's live count, then its reverse-map entry
-        (`num_live_tokens` counted it when it was appended). The counts are checked first, so
-        that a refused flush changes nothing and keeps the appends pending."""
-        slots, token_ids = self.pending_slots, self.pending_token_ids
-        if not slots:
-            return
-        if len(slots) == 1:
-            self._count_appends(slots[0] // self.block_size, 1)
-            self._token_at[slots.pop()] = token_ids.pop()
-            return
-        slot_array = np.array(slots, dtype=np.int64)
-        block_ids = slot_array // self.block_size
-        block_ids.sort()
-        if np.count_nonzero(block_ids[1:] == block_ids[:-1]):  # a table appended more than once since the last flush
-            self._count_appends_many(*count_by_block(block_ids))
-        else:  # the usual step: one append per decoding request
-            self._count_appends_many(block_ids, np.ones(block_ids.size, dtype=np.int64))
-        self._token_at[slot_array] = token_ids
-        slots.clear()
-        token_ids.clear()
 
     @property
     def live_counts(self) -> np.ndarray:

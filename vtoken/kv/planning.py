@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vtoken.kv.block_pool import NO_BLOCKS, BlockPool
+from vtoken.kv.live_counts import compiled_loops
 from vtoken.kv.moves import Moves, RelocationPlan
 from vtoken.kv.token_table import TokenTable
 
@@ -45,8 +46,6 @@ class Movables:
     def of(cls, tables: list[TokenTable]) -> Movables:
         """One compiled pass over every request's candidate blocks (compiled.movable_blocks),
         their ref counts and live counts read in the pool's arrays."""
-        from vtoken.kv.compiled import movable_blocks
-
         pool, block_size = tables[0].pool, tables[0].block_size
         held, sizes = [], []
         for table in tables:
@@ -55,8 +54,9 @@ class Movables:
             table_held = table.held_block_ids[start:end]
             held.append(table_held)
             sizes.append(table_held.size)
-        return cls(tables, *movable_blocks(np.concatenate(held), np.array(sizes, dtype=np.int64), pool.ref_counts,
-                                           pool.live_counts, block_size))
+        movable = compiled_loops().movable_blocks(np.concatenate(held), np.array(sizes, dtype=np.int64), pool.ref_counts,
+                                                  pool.live_counts, block_size)
+        return cls(tables, *movable)
 
 
 def num_reclaimable_blocks(table: TokenTable) -> int:
@@ -89,10 +89,9 @@ def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[Relocat
     positions from the end. Their live tokens, in logical order, fill the first holes of the
     kept blocks, in block order and offsets ascending; the moves pair them in that order.
     """
-    from vtoken.kv.compiled import hole_fill_plans
-
     table0 = movables.tables[0]
-    num_src, num_moves, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources = hole_fill_plans(
+    loops = compiled_loops()
+    num_src, num_moves, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources = loops.hole_fill_plans(
         movables.block_ids, movables.live_counts, movables.starts, movables.ends,
         movables.num_reclaimable, table0.pool.token_at, table0.block_size, max_src_blocks)
     plans: list[RelocationPlan | None] = [None] * len(movables.tables)

@@ -16,7 +16,8 @@ import numpy as np
 
 from vtoken.errors import VTokenError
 from vtoken.kv.arrays import isin
-from vtoken.kv.block_pool import NO_BLOCKS, compiled_loops
+from vtoken.kv.block_pool import NO_BLOCKS
+from vtoken.kv.live_counts import compiled_loops
 
 if TYPE_CHECKING:
     from vtoken.kv.token_table import TokenTable

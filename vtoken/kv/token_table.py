@@ -263,7 +263,7 @@ class TokenTable(EvictionVerbs, RelocationVerbs, LayoutCounts):
         if num_in_tail:
             tail_first = self._tail_slot + self.tail_num_written
             new_slots = np.concatenate((np.arange(tail_first, tail_first + num_in_tail), new_slots))
-        self.pool.adjust_live(new_slots // self.block_size, np.ones(new_slots.size, np.int64))
+        self.pool.count_appended(new_slots // self.block_size)
         self._slot[token_id:num_tokens] = new_slots
         self._token_at[new_slots] = np.arange(token_id, num_tokens)
         if self._num_dead and self._cache.is_valid:
