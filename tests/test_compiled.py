@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.compiled import change_live_counts, hole_fill_plans, movable_blocks
+from vtoken.kv.compiled import change_live_counts, hole_fill_plans, land_moves, movable_blocks
 
 S = 4
 # one request: its blocks' slots, each a live token (True) or a hole (False)
@@ -162,6 +162,46 @@ def test_change_live_counts_refuses_a_block_outside_the_pool_or_free_and_writes_
                                                live, refs, effects(S), delta, seen)
         assert (reason, block) == expected
         assert live.tolist() == [2] * 8
+
+
+def landing(num_blocks: int = 4) -> dict:
+    """A pool of `num_blocks` blocks of S slots, all allocated: block 0 holds tokens 5 and 6 of
+    table 0 (6 evicted while its copy was in flight: no longer in the reverse map), block 1 token
+    7 of table 1 (evicted too), blocks 2 and 3 hold nothing yet; the arena's entries 0-2 are
+    tokens 5, 6 and 7."""
+    token_at = np.full(num_blocks * S, -1, np.int64)
+    token_at[0] = 5
+    return {"token_at": token_at, "live": np.array([1, 0, 0, 0], np.int32), "refs": np.ones(num_blocks, np.int32),
+            "arena_live": np.array([True, False, False]), "arena_slot": np.array([0, 1, 4], np.int64)}
+
+
+def land(state: dict, dst_blocks: list[int]) -> tuple:
+    """Tokens 5, 6 (table 0) and 7 (table 1) moved from slots 0, 1 and 4 into offset 0, 1, 2 of `dst_blocks`."""
+    return land_moves(np.array([5, 6, 7], np.int64), np.array([0, 0, 1], np.int64), 2, np.arange(3, dtype=np.int64),
+                      np.array([0, 0, 1], np.int64), np.array([0, 1, 0], np.int64), np.array(dst_blocks, np.int64),
+                      np.array([0, 1, 2], np.int64), state["arena_live"], state["arena_slot"], state["token_at"], S,
+                      state["live"], state["refs"], effects(S), np.zeros(4, np.int64), np.zeros(4, bool))
+
+
+def test_land_moves_counts_and_maps_the_live_tokens_and_repoints_every_moved_one() -> None:
+    state = landing()
+    has_live, _, reason, _ = land(state, [2, 2, 3])
+    assert reason == 0
+    assert has_live.tolist() == [True, False]  # table 1 moved only a token evicted in flight
+    assert state["live"].tolist() == [0, 0, 1, 0]  # only token 5 left block 0 and joined block 2
+    expected = np.full(4 * S, -1, np.int64)
+    expected[2 * S] = 5  # the evicted tokens take no entry in the reverse map
+    assert state["token_at"].tolist() == expected.tolist()
+    assert state["arena_slot"].tolist() == [2 * S, 2 * S + 1, 3 * S + 2]  # every moved token's slot
+
+
+def test_land_moves_refuses_a_free_destination_and_writes_nothing() -> None:
+    state = landing()
+    state["refs"][3] = 0
+    before = {name: array.copy() for name, array in state.items()}
+    has_live, _, reason, block = land(state, [3, 2, 2])
+    assert (reason, block) == (2, 3)
+    assert all(np.array_equal(state[name], before[name]) for name in state)
 
 
 # vLLM 0.32's CPU worker scans every module attribute this way at init_worker

@@ -42,6 +42,7 @@ def warm_compiled_loops() -> None:
     check_round(plans, planned, pool, frozenset())  # I4
     TokenTable.apply_moves_each(planned, [plan.moves for plan in plans], [table.layout_version for table in planned])  # a round's landing
     tables[0].apply_moves(plan_compaction(tables[0], "hole-fill"))  # a vLLM tracker's compaction
+    TokenTable.evict_one_each(tables, np.array([8, 8], dtype=np.int64))  # one token per request, many requests in one call
     for dtype in SCORE_DTYPES:
         for k in (1, 8):  # the heap and the partition
             lowest_positions(np.arange(64, 0, -1).astype(dtype)[:k * 32], k)

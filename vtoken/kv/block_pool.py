@@ -145,7 +145,8 @@ class BlockPool(LiveCounts):
         with_live = released[self._live_counts[released] > 0]  # usually none: the owner emptied them
         if with_live.size:
             self.num_live_tokens += self._set_live(with_live, np.zeros(with_live.size, dtype=np.int32))
-        self._token_at[block_slots(released, self.block_size)] = -1
+            # the reverse map names live tokens only (I2): a block without one has nothing to clear
+            self._token_at[block_slots(with_live, self.block_size)] = -1
         self._histogram[0] -= released.size
         self._histogram[NUM_HISTOGRAM_BINS] += released.size
         self._num_blocks_le_half -= released.size

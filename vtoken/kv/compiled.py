@@ -6,10 +6,10 @@ over their blocks and moved tokens, no policy rule and no floating point. Writte
 calls over the round's arrays it is a few dozen calls, each a few microseconds whatever it
 does, which set a floor under a round step however few tokens it moves (README, issue 17's
 substrate table). Here each is one loop over the entries it reads. So are the pool's live
-counts and histogram (`change_live_counts`: a decode step's evictions, one token per request,
-and a round's landing) and a table's batch eviction whole (`evict_tokens`: its checks, live
-bits and reverse-map entries, and those counts), which an eviction event pays on every
-policy run.
+counts and histogram (`change_live_counts`: a decode step's evictions, one token per request),
+a round's landing whole (`land_moves`: those counts, the reverse map and the moved tokens'
+slots) and a table's batch eviction whole (`evict_tokens`: its checks, live bits and
+reverse-map entries, and those counts), which an eviction event pays on every policy run.
 
 Imported by their callers when a process first evicts or reclaims, or where an engine starts
 (engine/warmup.py). They take the arrays as the pool and the tables keep them (int64 ids, int32
@@ -315,6 +315,47 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
             emptied[num_emptied] = b
             num_emptied += 1
     return np.sort(emptied[:num_emptied]), changes, 0, -1
+
+
+@njit
+def land_moves(token_ids, move_of, num_tables, at, src_blocks, src_offsets, dst_blocks, dst_offsets, arena_live,
+               arena_slot, token_at, block_size, live_counts, ref_counts, count_effects, delta, seen):
+    """The writes of moves whose copies landed (TokenTable.apply_moves_each, the moves of
+    `num_tables` tables end to end, `move_of` the table of each, `at` each moved token's entry
+    in the arena): a live token leaves its source and joins its destination in the blocks'
+    live counts (change_live_counts, every source then every destination, whose changes it
+    returns) and in the reverse map (every source cleared first: a destination may be another
+    move's source); every moved token's slot, live or evicted while its copy was in flight,
+    becomes its destination. Returns (per table, whether it moved a live token; the changes;
+    0; -1), or, writing nothing, change_live_counts' refusal and the block it names."""
+    num_moves = token_ids.size
+    blocks = np.empty(2 * num_moves, np.int64)
+    deltas = np.empty(2 * num_moves, np.int64)
+    has_live = np.zeros(num_tables, np.bool_)
+    num_live = 0
+    for i in range(num_moves):
+        if arena_live[at[i]]:
+            blocks[num_live], deltas[num_live] = src_blocks[i], -1
+            num_live += 1
+    num_entries = num_live
+    for i in range(num_moves):
+        if arena_live[at[i]]:
+            blocks[num_entries], deltas[num_entries] = dst_blocks[i], 1
+            num_entries += 1
+            has_live[move_of[i]] = True
+    _, changes, reason, block = change_live_counts(blocks[:num_entries], deltas[:num_entries], live_counts, ref_counts,
+                                                   count_effects, delta, seen)
+    if reason:
+        return has_live, changes, reason, block
+    for i in range(num_moves):
+        if arena_live[at[i]]:
+            token_at[src_blocks[i] * block_size + src_offsets[i]] = -1
+    for i in range(num_moves):
+        slot = dst_blocks[i] * block_size + dst_offsets[i]
+        if arena_live[at[i]]:
+            token_at[slot] = token_ids[i]
+        arena_slot[at[i]] = slot
+    return has_live, changes, 0, -1
 
 
 # evict_tokens' refusals of the table's ids; the pool's (change_live_counts') follow, shifted by 4

@@ -7,7 +7,7 @@ Every change of a block's live count moves its histogram bin and the <= 50% coun
 one of three paths: one block in Python integers (`add_live`, `remove_live_token`, one pending
 append), distinct blocks in numpy (`_set_live`: appends, counted at a flush or at once by
 `count_appended`, and freed blocks), and any blocks, ids repeating, in one compiled loop
-(`adjust_live`, `remove_evicted_tokens`: evictions and landed moves; numba, kv/compiled.py,
+(`adjust_live`, `remove_evicted_tokens`, `land_moves`: evictions and landed moves; numba, kv/compiled.py,
 loaded at the first call by `compiled_loops`: a process that neither evicts nor reclaims never
 imports numba, tests/test_compiled.py).
 """
@@ -76,6 +76,23 @@ class LiveCounts:
         if reason == 0:
             self.num_live_tokens += self._add_to_counts(changes.tolist())
         return emptied, reason, culprit
+
+    def land_moves(self, token_ids: np.ndarray, move_of: np.ndarray, num_tables: int, at: np.ndarray,
+                   src_blocks: np.ndarray, src_offsets: np.ndarray, dst_blocks: np.ndarray, dst_offsets: np.ndarray,
+                   arena_live: np.ndarray, arena_slot: np.ndarray) -> np.ndarray:
+        """Landed moves of `num_tables` tables, checked by the tables (`TokenTable.apply_moves_each`),
+        written in one compiled loop (kv/compiled.py, `land_moves`): the moved live tokens'
+        live counts and reverse-map entries, and every moved token's slot in the arena (`at`,
+        its entry there). Returns, per table, whether it moved a live token; raises, having
+        changed nothing, the pool's refusals."""
+        has_live, changes, reason, block_id = compiled_loops().land_moves(
+            token_ids, move_of, num_tables, at, src_blocks, src_offsets, dst_blocks, dst_offsets, arena_live, arena_slot,
+            self._token_at, self.block_size, self._live_counts, self.ref_counts, self._count_effects,
+            self.scratch("adjust_live delta", np.int64), self.scratch("adjust_live seen", bool))
+        if reason:
+            self._refuse_live_change(reason, block_id)
+        self.num_live_tokens += self._add_to_counts(changes.tolist())
+        return has_live
 
     def _refuse_live_change(self, reason: int, block_id: int) -> None:
         """Raise `change_live_counts`' refusal `reason` of `block_id`: 1 an id outside the pool,

@@ -78,31 +78,16 @@ class RelocationVerbs:
         moves_in_order = [table_moves for _, table_moves, _ in work]
         token_ids = np.concatenate([m.token_ids for m in moves_in_order])
         move_of = np.repeat(np.arange(len(work)), [m.num_moves for m in moves_in_order])
-        block_size = pool.block_size
-        src_blocks = np.concatenate([m.src_block_ids for m in moves_in_order])
-        dst_blocks = np.concatenate([m.dst_block_ids for m in moves_in_order])
-        src_slots = src_blocks * block_size + np.concatenate([m.src_offsets for m in moves_in_order])
-        dst_slots = dst_blocks * block_size + np.concatenate([m.dst_offsets for m in moves_in_order])
         arena = pool.token_arena
         at = arena.entries([table for table, _, _ in work], token_ids, move_of)
-        # a token evicted while its copy was in flight is repointed without live-count changes
-        # (a table still at its checked version has every moved token live)
-        live = arena.live[at]
-        all_live = bool(live.all())
-        if all_live:  # the usual case: nothing was evicted while a copy was in flight
-            has_live = [True] * len(work)
-        else:
-            has_live = (np.bincount(move_of[live], minlength=len(work)) > 0).tolist()
-            src_blocks, dst_blocks, src_slots, token_ids = src_blocks[live], dst_blocks[live], src_slots[live], token_ids[live]
-        # the pool's side: live tokens leave their sources and join their destinations
-        if token_ids.size:
-            pool.adjust_live(np.concatenate((src_blocks, dst_blocks)),  # checked first: raises before anything changed
-                             np.repeat(np.array([-1, 1], dtype=np.int64), (src_blocks.size, dst_blocks.size)))
-            token_at = pool.token_at
-            token_at[src_slots] = -1  # every source first: a destination may be another's source
-            token_at[dst_slots if all_live else dst_slots[live]] = token_ids
-        arena.slot[at] = dst_slots  # the tables' side, every moved token's slot at once
-        for (table, table_moves, _), moved_live in zip(work, has_live):
+        # the pool's side and the tables' slots in one loop; a token evicted while its copy was
+        # in flight is repointed without live-count changes (a table still at its checked
+        # version has every moved token live)
+        has_live = pool.land_moves(
+            token_ids, move_of, len(work), at, np.concatenate([m.src_block_ids for m in moves_in_order]),
+            np.concatenate([m.src_offsets for m in moves_in_order]), np.concatenate([m.dst_block_ids for m in moves_in_order]),
+            np.concatenate([m.dst_offsets for m in moves_in_order]), arena.live, arena.slot)
+        for (table, table_moves, _), moved_live in zip(work, has_live.tolist()):
             table._repointed(table_moves, moved_live)
 
     def _repointed(self, moves: Moves, has_live: bool) -> None:
