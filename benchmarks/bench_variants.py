@@ -31,7 +31,9 @@ vtoken, the layout trigger's check (`layout`, of which `count` is the count of t
 uncompacted blocks, made only where the request can hold more); a reclamation round, `_reclaim` (which the
 schedule's pressure packing and the layout trigger call too), is planning (`plans`), the
 round's I4 check (`plans_pass`) and, the copies done, landing the moves and freeing the sources
-(`landing`). Every variant counts a step's appends in the pool at the pool's first read after
+(`landing`); inside those, the round step's compiled loops (kv/compiled.py), each one call a
+step: planning's `movable_blocks` and `hole_fill_plans`, the check's `round_passes` and the
+landing's `land_moves` (what is left of each phase is Python and numpy calls). Every variant counts a step's appends in the pool at the pool's first read after
 them, in one batch (`appends`, `BlockPool.flush_deferred`). The timers wrap the functions,
 about a microsecond a call, and nest, so this replay is not one of the rounds.
 """
@@ -51,6 +53,7 @@ from vtoken import defaults, invariants
 from vtoken.compare import variant_to_json
 from vtoken.engine import VARIANTS, Experiment, Runtime, SimExecutor, run_sim, sim_runtime
 from vtoken.engine.eviction import EvictionSchedule
+from vtoken.kv import compiled
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.reclaim import Reclaimer
 from vtoken.kv.token_table import TokenTable
@@ -73,8 +76,12 @@ PHASES = (
     ("count", TokenTable, "num_uncompacted_blocks"),
     ("_reclaim", Runtime, "_reclaim"),
     ("plans", Reclaimer, "_plans"),
+    ("movable_blocks", compiled, "movable_blocks"),
+    ("hole_fill_plans", compiled, "hole_fill_plans"),
     ("plans_pass", invariants, "plans_pass"),
+    ("round_passes", compiled, "round_passes"),
     ("landing", Runtime, "_complete"),
+    ("land_moves", compiled, "land_moves"),
     ("appends", BlockPool, "flush_deferred"),
 )
 
@@ -137,12 +144,12 @@ def main() -> None:
     print(f"same results in every round: {all(all(r == rs[0] for r in rs) for rs in results.values())}; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     if args.phases:
-        print(f"\n{'variant':12s} {'phase':12s} {'CPU s':>8s} {'calls':>8s} {'us per call':>11s}")
+        print(f"\n{'variant':12s} {'phase':15s} {'CPU s':>8s} {'calls':>8s} {'us per call':>11s}")
         for variant in variants:
             seconds, calls = timed_phases(lambda: run_sim(experiment.run(variant, None), requests))
             for phase, _, _ in PHASES:
                 if calls[phase]:
-                    print(f"{variant:12s} {phase:12s} {seconds[phase]:8.2f} {calls[phase]:8d} {1e6 * seconds[phase] / calls[phase]:11.1f}")
+                    print(f"{variant:12s} {phase:15s} {seconds[phase]:8.2f} {calls[phase]:8d} {1e6 * seconds[phase] / calls[phase]:11.1f}")
 
 
 def alone(experiment: Experiment, variant: str, requests: list) -> tuple[RunResult, float, float]:

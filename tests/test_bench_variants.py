@@ -39,6 +39,10 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
     assert ("naive-evict", "count") not in phases  # the layout trigger's count is vtoken's alone
     for phase in ("_reclaim", "plans", "plans_pass"):
         assert ("naive-evict", phase) not in phases and phases[("vtoken", phase)] > 0
+    # the round step's compiled loops: planning's, then one check and one landing of what it planned
+    for phase in ("movable_blocks", "hole_fill_plans", "round_passes", "land_moves"):
+        assert ("naive-evict", phase) not in phases and phases[("vtoken", phase)] > 0
+    assert phases[("vtoken", "land_moves")] <= phases[("vtoken", "round_passes")] <= phases[("vtoken", "plans_pass")]
 
 
 def test_variants_side_by_side_give_the_results_each_gives_alone() -> None:
