@@ -522,18 +522,19 @@ def release_empty_blocks(table: TokenTable) -> list[int]:
 
 
 def test_release_empty_blocks_each_is_release_empty_blocks_of_each_table_in_turn() -> None:
-    """Two requests that lost blocks whole while copies were in flight, and a third that lost
-    none: one call releases what the three calls release, in table order."""
+    """Two requests that lost blocks whole while copies were in flight, one that holds no
+    block between them, and one that lost none: one call releases what the four calls release,
+    in table order."""
     def layouts() -> list[TokenTable]:
         first, second = two_holey_tables()
         third = make_table(first.pool, 5, req_id=2)
         first.evict_tokens(np.array([4, 5, 6, 7]))  # block 1
         second.evict_tokens(np.array([0, 1, 8, 9, 10, 11]))  # blocks 3 and 5, the tail
-        return [first, second, third]
+        return [first, TokenTable(3, first.pool), second, third]
 
     each, together = layouts(), layouts()
     released_each = [table.release_empty_blocks().tolist() for table in each]
-    assert released_each == [[1], [3, 5], []]
+    assert released_each == [[1], [], [3, 5], []]
     assert TokenTable.release_empty_blocks_each(together).tolist() == [1, 3, 5]
     for one, other in zip(each, together):
         assert_unchanged(state(one), other)

@@ -139,7 +139,7 @@ class BlockPool(LiveCounts):
         if not is_distinct(block_ids):
             raise VTokenError(f"free() got repeated block ids {block_ids.tolist()}")
         self.ref_counts[block_ids] -= 1
-        released = block_ids[self.ref_counts[block_ids] == 0]
+        released = np.sort(block_ids[self.ref_counts[block_ids] == 0])
         if released.size == 0:
             return
         with_live = released[self._live_counts[released] > 0]  # usually none: the owner emptied them
@@ -151,7 +151,7 @@ class BlockPool(LiveCounts):
         self._histogram[NUM_HISTOGRAM_BINS] += released.size
         self._num_blocks_le_half -= released.size
         # released in reverse so that the lowest id of a batch is handed out first next time
-        self._free_ids.extend(sorted(released.tolist(), reverse=True))
+        self._free_ids.extend(released[::-1].tolist())
 
     def _free_one(self, block_id: int) -> None:
         """`free` of a single block, with scalars only (same checks, same result)."""

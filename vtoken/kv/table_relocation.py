@@ -153,40 +153,49 @@ class RelocationVerbs:
     @staticmethod
     def release_empty_blocks_each(tables: Sequence[TokenTable]) -> np.ndarray:
         """`release_empty_blocks` of every table (distinct tables of one pool, as the plans of a
-        round that landed together), the pool's live counts read once for all of them. Returns
-        the blocks released, table by table in held order, for the caller to free."""
+        round that landed together): every table's blocks past its pinned prefix read against
+        the pool's live counts at once, and each table that lost some keeps the rest with one
+        write. Returns the blocks released, table by table in held order, for the caller to free."""
         if not tables:
             return NO_BLOCKS
         pool = tables[0].pool
         starts = [table.num_pinned_tokens // table.block_size for table in tables]
         helds = [table._held[start : table._num_held] for table, start in zip(tables, starts)]
-        is_empty = pool.live_counts[np.concatenate(helds)] == 0  # counts the pending appends first
+        held = np.concatenate(helds)
+        is_empty = pool.live_counts[held] == 0  # counts the pending appends first
         if not is_empty.any():
             return NO_BLOCKS
-        released, end = [], 0
-        for table, start, held in zip(tables, starts, helds):
-            table_empty = is_empty[end : end + held.size]
-            end += held.size
-            if table_empty.any():
-                released.append(held[table_empty])
-                table._drop_held(start, table_empty)
-        return np.concatenate(released)
+        sizes = [table_held.size for table_held in helds]
+        num_empty = np.bincount(np.repeat(np.arange(len(tables)), sizes)[is_empty], minlength=len(tables)).tolist()
+        kept = held[~is_empty]
+        first_kept, end = 0, 0
+        for table, start, size, num_dropped in zip(tables, starts, sizes, num_empty):
+            num_kept = size - num_dropped
+            end += size
+            if num_dropped:  # a table without blocks has size 0 and drops nothing
+                table._keep_held(start, kept[first_kept : first_kept + num_kept], bool(is_empty[end - 1]))
+            first_kept += num_kept
+        return held[is_empty]
 
     def _drop_held(self, start: int, is_dropped: np.ndarray) -> None:
         """Forget the held blocks from position `start` on that `is_dropped` marks (one entry
-        per block from there to the tail). When the tail goes, the block before it becomes the
-        tail. A full tail changes nothing for the next token, which opens a fresh block either
-        way, so the new tail is full too (its cursor stays at S): the open tail is then always
-        a block opened when the request held a multiple of S tokens, as the uncompacted
-        layout's is, so compaction never makes attention read further into it (reopening the
-        block the tail's tokens moved into did: tests/test_serving_fidelity.py, a packed full
-        tail). An open tail that went (every token written to it evicted) hands the cursor to
-        the end of the new tail's last live token."""
+        per block from there to the tail): `_keep_held` of the others."""
+        self._keep_held(start, self._held[start : self._num_held][~is_dropped], bool(is_dropped[-1]))
+
+    def _keep_held(self, start: int, kept: np.ndarray, is_tail_dropped: bool) -> None:
+        """Hold, from position `start` on, only `kept` (the blocks held from there, in order, less
+        those dropped; `is_tail_dropped`: the tail is one of them). When the tail goes, the block
+        before it becomes the tail. A full tail changes nothing for the next token, which opens a
+        fresh block either way, so the new tail is full too (its cursor stays at S): the open tail
+        is then always a block opened when the request held a multiple of S tokens, as the
+        uncompacted layout's is, so compaction never makes attention read further into it
+        (reopening the block the tail's tokens moved into did: tests/test_serving_fidelity.py, a
+        packed full tail). An open tail that went (every token written to it evicted) hands the
+        cursor to the end of the new tail's last live token."""
         was_full = self.tail_num_written == self.block_size
-        kept = self._held[start : self._num_held][~is_dropped]
         self._held[start : start + kept.size] = kept
         self._num_held = start + kept.size
-        if is_dropped[-1]:
+        if is_tail_dropped:
             self._tail_slot = int(self._held[self._num_held - 1]) * self.block_size if self._num_held else 0
             self.tail_num_written = self.block_size if was_full and self._num_held else self._cursor_after_last_live()
             self._off_logical_layout |= not was_full  # the next tokens go where the cursor was handed back
