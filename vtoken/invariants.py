@@ -236,7 +236,7 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
         arena.entries(tables, token_ids, move_of), arena.live, arena.slot, sources, source_of, new_blocks, new_of,
         held_blocks, holder_of, np.concatenate(pinned), np.array(open_tails, dtype=np.int64), pool.ref_counts,
         pool.live_counts, pool.token_at, *(pool.scratch(name, np.int64) for name in ("plans_pass holder", "plans_pass source",
-                                                                                      "plans_pass new")),
+                                                                                      "plans_pass new", "plans_pass taken")),
         pool.scratch("plans_pass forbidden", bool), block_size)
 
 

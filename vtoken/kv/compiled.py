@@ -104,15 +104,40 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token
 
 
 @njit
-def _is_distinct(values):
-    """No value repeats (one pass when they ascend, as the plans' usually do; else a sort)."""
+def _ascending(values):
+    """Each value above the one before it."""
     for i in range(1, values.size):
         if values[i] <= values[i - 1]:
-            ordered = np.sort(values)
-            for j in range(1, ordered.size):
-                if ordered[j] == ordered[j - 1]:
-                    return False
-            return True
+            return False
+    return True
+
+
+@njit
+def _is_distinct(values):
+    """No value repeats (one pass when they ascend, as the plans' usually do; else a sort)."""
+    if _ascending(values):
+        return True
+    ordered = np.sort(values)
+    for j in range(1, ordered.size):
+        if ordered[j] == ordered[j - 1]:
+            return False
+    return True
+
+
+@njit
+def _are_distinct_slots(blocks, offsets, block_size, taken):
+    """No (block, offset) pair repeats: one bit per offset in a word per block (`taken`, a
+    pool-sized scratch array, cleared here where it is read), where sorting the slots costs
+    some n log n; by a sort when a block has more offsets than a word has bits."""
+    if block_size > 64:
+        return _is_distinct(blocks * block_size + offsets)
+    for b in blocks:
+        taken[b] = 0
+    for i in range(blocks.size):
+        bit = np.int64(1) << offsets[i]
+        if taken[blocks[i]] & bit:
+            return False
+        taken[blocks[i]] |= bit
     return True
 
 
@@ -140,11 +165,12 @@ def _unlabel(holder, source, new, blocks):
 @njit
 def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offsets, dst_blocks, dst_offsets,
                  at, arena_live, arena_slot, sources, source_of, new_blocks, new_of, held_blocks, holder_of,
-                 pinned_blocks, open_tails, ref_counts, live_counts, token_at, holder, source, new, forbidden, block_size):
+                 pinned_blocks, open_tails, ref_counts, live_counts, token_at, holder, source, new, taken, forbidden,
+                 block_size):
     """invariants.plans_pass's checks over a round's arrays (the plans' moves end to end,
     `move_of` the plan of each; their sources, fresh blocks and tables' held blocks likewise),
-    one loop each. `holder`, `source`, `new` and `forbidden` are the pool's scratch arrays,
-    written here where they are read. True when every check passes."""
+    one loop each. `holder`, `source`, `new`, `taken` and `forbidden` are the pool's scratch
+    arrays, written here where they are read. True when every check passes."""
     num_moves, num_blocks = token_ids.size, ref_counts.size
     # an index out of the pool would read past its arrays: such a plan does not pass
     if not (_within(sources, num_blocks) and _within(dst_blocks, num_blocks) and _within(src_blocks, num_blocks)
@@ -165,7 +191,8 @@ def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offs
         move_keys[i] = plan * (max_tokens + 1) + token_id
         if not arena_live[at[i]] or arena_slot[at[i]] != src_blocks[i] * block_size + src_offsets[i]:
             return False
-    if not _is_distinct(move_keys):
+    keys_ascend = _ascending(move_keys)  # the usual round: plan after plan, each its tokens ascending
+    if not (keys_ascend or _is_distinct(move_keys)):
         return False
     # one label per block: the plan whose table holds it, whose sources or fresh blocks it is in
     _unlabel(holder, source, new, sources)
@@ -207,21 +234,18 @@ def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offs
     for k in range(num_plans):  # ... and every live token of the sources moves
         if num_src_live[k] != num_plan_moves[k]:
             return False
-    dst_slots = np.empty(num_moves, np.int64)
-    ordered_keys = np.sort(move_keys)
+    ordered_keys = move_keys if keys_ascend else np.sort(move_keys)
     for i in range(num_moves):  # into a block of its plan's table or fresh blocks, not a source of it
         b, plan = dst_blocks[i], move_of[i]
         if (holder[b] != plan and new[b] != plan) or source[b] == plan:
             return False
-        slot = b * block_size + dst_offsets[i]
-        dst_slots[i] = slot
-        occupant = token_at[slot]
+        occupant = token_at[b * block_size + dst_offsets[i]]
         if occupant >= 0:  # a slot still occupied only by a token the same plan moves away
             key = plan * (max_tokens + 1) + occupant
             j = np.searchsorted(ordered_keys, key)
             if j == ordered_keys.size or ordered_keys[j] != key:
                 return False
-    return _is_distinct(dst_slots)
+    return _are_distinct_slots(dst_blocks, dst_offsets, block_size, taken)  # no two moves into one slot
 
 
 @njit
