@@ -90,6 +90,8 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token
         for j in range(starts[k], end - m):  # the kept blocks' holes, in block order
             if last == stop:
                 break
+            if live_counts[j] == block_size:  # a full block has no hole: its row of the reverse map is not read
+                continue
             block_id = block_ids[j]
             for offset in range(block_size):
                 if token_at[block_id * block_size + offset] < 0:
