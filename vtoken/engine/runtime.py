@@ -280,7 +280,7 @@ class Runtime:
         excess, as far as its live tokens allow (the open tail itself is never packed). Block
         counts decide what attention reads, (blocks - 1) x S plus the open tail's written
         slots, because the open tail is written as far as the uncompacted layout's: a packed
-        full tail leaves the new tail full (`TokenTable._drop_held`). Only an eviction that
+        full tail leaves the new tail full (`TokenTable._keep_held`). Only an eviction that
         empties the open tail (a policy without a recent window) moves that cursor."""
         num_excess = table.num_blocks_over_uncompacted()
         if num_excess > 0 and table.req_id not in self._busy_req_ids:
