@@ -30,6 +30,7 @@ from vtoken.hardware import resolve_gpu
 from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.moves import end_to_end
 from vtoken.kv.planning import Movables, plan_hole_fill_each
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
@@ -237,7 +238,8 @@ class EvictingRun:
         """Plan, check, launch and land, as the runtime does with synchronous copies
         (`Runtime._reclaim`): the step's plans checked with `check_round` (I4: one `plans_pass`
         call; `check_plan` plan by plan only when it finds something), their moves applied in
-        one `apply_moves_each` call at the versions they were checked at, and every block they
+        one `apply_moves_each` call at the versions they were checked at (the moves end to end
+        as they were planned, `end_to_end`), and every block they
         emptied released and freed in one call. A step that launched plans is logged, with the
         seconds of each part and `evict_s` (the step's evictions before it), in `round_steps`."""
         clock = self.clock
@@ -264,7 +266,9 @@ class EvictingRun:
         completed = self.engine.poll_completed()
         launched = clock()
         tables = [self.by_id[plan.req_id] for plan in completed]
-        TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [checked_at[plan.req_id] for plan in completed])
+        moves, move_of, _, _ = end_to_end(completed)
+        TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [checked_at[plan.req_id] for plan in completed],
+                                    (moves, move_of))
         self.pool.free(TokenTable.release_empty_blocks_each(tables))
         landed = clock()
         num_moved = sum(plan.num_tokens_moved for plan in completed)

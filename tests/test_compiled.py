@@ -65,26 +65,40 @@ def reference_plan(blocks: list[int], token_at: np.ndarray, max_src_blocks: int)
 
 
 @settings(max_examples=300, deadline=None)
-@given(blocks_of=requests, seed=st.integers(0, 2**16), max_src_blocks=st.integers(2, 6))
-def test_hole_fill_plans_are_the_rules_plans(blocks_of, seed, max_src_blocks) -> None:
+@given(blocks_of=requests, seed=st.integers(0, 2**16), max_src_blocks=st.integers(2, 6), data=st.data())
+def test_hole_fill_plans_are_the_rules_plans(blocks_of, seed, max_src_blocks, data) -> None:
+    """Every request's plan is the rule's; the plans lie end to end in the order given, each
+    move and source labelled with its plan's place among those with a plan."""
     block_ids, token_at, live_counts, bounds = layout(blocks_of, seed)
     sizes = bounds[:, 1] - bounds[:, 0]
     ids, counts, starts, ends, num_live, num_reclaimable = movable_blocks(
         block_ids, sizes, np.ones(live_counts.size, np.int32), live_counts, S)
     assert ids.tolist() == block_ids.tolist() and counts.tolist() == live_counts[block_ids].tolist()
-    num_src, num_moves, tokens, src_b, src_o, dst_b, dst_o, sources = hole_fill_plans(
-        ids, counts, starts, ends, num_reclaimable, token_at, S, max_src_blocks)
-    first_move = first_src = 0
-    for k, (start, end) in enumerate(bounds.tolist()):
+    order = np.array(data.draw(st.permutations(range(len(blocks_of)))), dtype=np.int64)
+    plan_requests, move_ends, source_ends, tokens, src_b, src_o, dst_b, dst_o, sources, move_of, source_of = (
+        hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S, max_src_blocks))
+    num_src, num_moves = np.zeros(len(blocks_of), np.int64), np.zeros(len(blocks_of), np.int64)
+    num_src[plan_requests] = np.diff(source_ends, prepend=0)
+    num_moves[plan_requests] = np.diff(move_ends, prepend=0)
+    assert plan_requests.tolist() == [k for k in order.tolist() if num_src[k]]
+    first_move = first_src = num_plans = 0
+    for k in order.tolist():
+        start, end = bounds[k].tolist()
         assert num_live[k] == live_counts[block_ids[start:end]].sum()
         assert num_reclaimable[k] == (end - start) - -(-num_live[k] // S)
         want_sources, want_moves = (reference_plan(block_ids[start:end].tolist(), token_at, max_src_blocks)
                                     if num_reclaimable[k] > 0 else ([], []))
+        assert num_src[k] == len(want_sources) and num_moves[k] == len(want_moves)
         got = slice(first_move, first_move + num_moves[k])
-        assert sources[first_src : first_src + num_src[k]].tolist() == want_sources
+        got_sources = slice(first_src, first_src + num_src[k])
+        assert sources[got_sources].tolist() == want_sources
         assert list(zip(*(a[got].tolist() for a in (tokens, src_b, src_o, dst_b, dst_o)))) == want_moves
-        first_move, first_src = got.stop, first_src + num_src[k]
-    assert first_move == tokens.size and first_src == sources.size
+        if want_sources:
+            assert set(move_of[got].tolist()) <= {num_plans} and set(source_of[got_sources].tolist()) == {num_plans}
+            assert (move_ends[num_plans], source_ends[num_plans]) == (got.stop, got_sources.stop)
+            num_plans += 1
+        first_move, first_src = got.stop, got_sources.stop
+    assert first_move == tokens.size == move_of.size and first_src == sources.size == source_of.size
 
 
 @settings(max_examples=100, deadline=None)

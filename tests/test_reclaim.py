@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.invariants import check_plan, check_round, check_unique_mapping, plans_pass
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.planning import movable_block_ids, num_reclaimable_blocks, plan_hole_fill, plan_ordered
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, most_reclaimable_first
 from vtoken.kv.token_table import TokenTable
@@ -509,6 +509,51 @@ def test_the_round_check_passes_a_planned_round_and_fails_wherever_check_plan_wo
         assert str(round_error.value) == str(plan_by_plan)
     else:
         check_round(plans, [by_id[p.req_id] for p in plans], pool, frozenset())  # passes where every plan does
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(layouts(), min_size=1, max_size=6), data=st.data())
+def test_a_rounds_plans_are_read_end_to_end_as_views_only_when_they_are_its_first_in_order(requests, data) -> None:
+    """end_to_end gives every plan's moves and sources with the plan of each, as concatenating
+    them does; views of the round's planning pass for its first plans in order (what a round
+    launches), the plans' own arrays concatenated for any other choice, or for a plan copied
+    with other moves."""
+    pool = BlockPool(256, S)
+    tables = [make_layout(*blocks, tail=tail, pool=pool, req_id=req_id) for req_id, (blocks, tail, _, _) in enumerate(requests)]
+    plans = Reclaimer(ReclaimConfig(mode="hole-fill", max_moves_per_step=None), pool).plan(tables)
+    if not plans:
+        return
+    batch = plans[0].batch
+    assert all(plan.batch is batch for plan in plans)
+
+    def concatenated(chosen):
+        return ([np.concatenate([getattr(p.moves, name) for p in chosen]) for name in
+                 ("token_ids", "src_block_ids", "src_offsets", "dst_block_ids", "dst_offsets")],
+                np.concatenate([np.full(p.num_tokens_moved, k) for k, p in enumerate(chosen)]),
+                np.concatenate([p.src_block_ids for p in chosen]),
+                np.concatenate([np.full(p.src_block_ids.size, k) for k, p in enumerate(chosen)]))
+
+    def read(chosen):
+        moves, move_of, sources, source_of = end_to_end(chosen)
+        want_moves, want_move_of, want_sources, want_source_of = concatenated(chosen)
+        for got, want in zip((moves.token_ids, moves.src_block_ids, moves.src_offsets, moves.dst_block_ids,
+                              moves.dst_offsets), want_moves, strict=True):
+            assert got.tolist() == want.tolist()
+        assert (move_of.tolist(), sources.tolist(), source_of.tolist()) == (
+            want_move_of.tolist(), want_sources.tolist(), want_source_of.tolist())
+        return starts_at(moves.token_ids, batch.moves.token_ids) and starts_at(sources, batch.sources)
+
+    def starts_at(view, array):  # a view from the array's first entry on (empty or not)
+        return view.__array_interface__["data"][0] == array.__array_interface__["data"][0]
+
+    num_first = data.draw(st.integers(1, len(plans)))
+    assert read(plans[:num_first])
+    if len(plans) > 1:
+        assert not read(plans[::-1])
+        assert not read(plans[1:])
+    if plans[0].num_tokens_moved > 1:
+        assert not read([replace(plans[0], moves=plans[0].moves.select(np.arange(1, plans[0].num_tokens_moved)))] + plans[1:])
+    assert not read([replace(plans[0], src_block_ids=plans[0].src_block_ids.copy())])
 
 
 def corrupt(plan: RelocationPlan, corruption: str, delta: int, pool: BlockPool, plans: list[RelocationPlan]) -> RelocationPlan:

@@ -452,6 +452,25 @@ def test_apply_moves_each_equals_apply_moves_of_each_table_in_turn() -> None:
     np.testing.assert_array_equal(each[0].pool.token_at, together[0].pool.token_at)
 
 
+@pytest.mark.parametrize("with_idle_table", [False, True])
+def test_apply_moves_each_reads_the_moves_end_to_end_when_given(with_idle_table: bool) -> None:
+    """The caller's moves end to end (a round's, moves.end_to_end) land as the tables' own do;
+    with a table that moves nothing among them (left out of the landing, so the indices of the
+    end-to-end moves no longer name the landing's tables) they are not read."""
+    each, together = two_holey_tables(), two_holey_tables()
+    if with_idle_table:
+        each, together = ((make_table(tables[0].pool, 4, req_id=2), *tables) for tables in (each, together))
+    for table, rows in zip(each[-2:], (FIRST_MOVES, SECOND_MOVES)):
+        table.apply_moves(make_moves(rows))
+    moves = [make_moves([])] * with_idle_table + [make_moves(FIRST_MOVES), make_moves(SECOND_MOVES)]
+    joined = make_moves(FIRST_MOVES + SECOND_MOVES), np.array([0, 0, 1, 1]) + with_idle_table
+    TokenTable.apply_moves_each(together, moves, [None] * len(together), joined)
+    for one, other in zip(each, together):
+        assert_unchanged(state(one), other)
+        assert one.layout_version == other.layout_version
+    np.testing.assert_array_equal(each[0].pool.token_at, together[0].pool.token_at)
+
+
 def test_apply_moves_each_rejects_a_bad_move_of_any_table_and_changes_neither() -> None:
     first, second = two_holey_tables()
     before = state(first), state(second)

@@ -22,7 +22,7 @@ from vtoken.errors import InvariantError
 from vtoken.kv.arrays import is_distinct, isin
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.live_counts import compiled_loops
-from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.token_table import TokenTable
 
 
@@ -209,32 +209,26 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     if len(set(req_ids)) != len(req_ids) or not busy_req_ids.isdisjoint(req_ids):
         return False
     block_size, num_plans = pool.block_size, len(plans)
-    held, pinned, open_tails, num_tokens = [], [], [], []
     for plan, table in zip(plans, tables, strict=True):
         if (plan.layout_version != table.layout_version or plan.src_block_ids.size <= plan.dst_new_block_ids.size
                 or table.pool is not pool):
             return False
-        table_held = table.held_block_ids
-        held.append(table_held)
-        pinned.append(table_held[: table.num_pinned_blocks])
-        if table_held.size and table.tail_num_written < block_size:
-            open_tails.append(int(table_held[-1]))
-        num_tokens.append(table.num_tokens)
-    moves = [plan.moves for plan in plans]
-    token_ids, move_of = _concatenated([m.token_ids for m in moves])
-    sources, source_of = _concatenated([plan.src_block_ids for plan in plans])
-    new_blocks, new_of = _concatenated([plan.dst_new_block_ids for plan in plans])
-    held_blocks, holder_of = _concatenated(held)
+    held_blocks, holder_of, pinned, open_tails = TokenTable.held_blocks_each(tables)
+    moves, move_of, sources, source_of = end_to_end(plans)  # views of the round's planning pass, as a round launches
+    token_ids = moves.token_ids
+    if any(plan.dst_new_block_ids.size for plan in plans):
+        new_blocks, new_of = _concatenated([plan.dst_new_block_ids for plan in plans])
+    else:  # hole-fill plans take no fresh block
+        new_blocks = new_of = np.zeros(0, dtype=np.int64)
     # the moved tokens' live bits and slots are read in the pool's arena (token_arena.py); the
     # block labels are written in pool-sized arrays the pool keeps, only where they are read: a
     # fresh pool-sized array would pay the first touch of every page the round writes
     arena = pool.token_arena
     return compiled_loops().round_passes(
-        num_plans, np.array(num_tokens, dtype=np.int64), token_ids, move_of,
-        np.concatenate([m.src_block_ids for m in moves]), np.concatenate([m.src_offsets for m in moves]),
-        np.concatenate([m.dst_block_ids for m in moves]), np.concatenate([m.dst_offsets for m in moves]),
+        num_plans, np.fromiter([table.num_tokens for table in tables], np.int64, num_plans), token_ids, move_of,
+        moves.src_block_ids, moves.src_offsets, moves.dst_block_ids, moves.dst_offsets,
         arena.entries(tables, token_ids, move_of), arena.live, arena.slot, sources, source_of, new_blocks, new_of,
-        held_blocks, holder_of, np.concatenate(pinned), np.array(open_tails, dtype=np.int64), pool.ref_counts,
+        held_blocks, holder_of, pinned, open_tails, pool.ref_counts,
         pool.live_counts, pool.token_at, *(pool.scratch(name, np.int64) for name in ("plans_pass holder", "plans_pass source",
                                                                                       "plans_pass new", "plans_pass taken")),
         pool.scratch("plans_pass forbidden", bool), block_size)

@@ -31,7 +31,7 @@ from vtoken.errors import ConfigError
 from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.moves import RelocationPlan
+from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import MemorySample, ReclaimWork, Recorder, RunCounters, RunResult
@@ -334,7 +334,8 @@ class Runtime:
         if not landed:
             return
         lives_before = [table.live_token_ids() for table in tables] if self._is_observed else [None] * len(tables)
-        TokenTable.apply_moves_each(tables, [plan.moves for plan in landed], versions)
+        moves, move_of, _, _ = end_to_end(landed)  # a round's plans, as they were planned: views
+        TokenTable.apply_moves_each(tables, [plan.moves for plan in landed], versions, (moves, move_of))
         self.pool.free(TokenTable.release_empty_blocks_each(tables))
         counts = self._counts
         for plan, table, live_before in zip(landed, tables, lives_before):

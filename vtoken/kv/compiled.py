@@ -27,15 +27,16 @@ from vtoken.kv.compiled_check import round_passes  # noqa: F401 (its callers rea
 
 
 @njit
-def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token_at, block_size, max_src_blocks):
+def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order, token_at, block_size, max_src_blocks):
     """The hole-fill plans of the requests whose movable blocks are block_ids[starts[k]:ends[k]]
     (planning.plan_hole_fill_each: the sources are the longest run of blocks from the end
     whose live tokens fit in the holes before them, at most min(max_src_blocks, n - 1); their
     live tokens, in logical order, fill the kept blocks' first holes in block order).
 
-    Returns (num_src, num_moves) per request (0 where it has no plan) and, request after
-    request, the moves (token ids, source block and offset, destination block and offset)
-    and the sources, ascending.
+    Returns, plan after plan (the requests with a plan, in `order`, a permutation of the
+    requests): the request of each and where its moves and its sources end (cumulative
+    counts), then the moves end to end (token ids, source block and offset, destination block
+    and offset) and the sources, ascending, each with its plan's place (0 for the first plan).
     """
     num_requests = starts.size
     num_src = np.zeros(num_requests, np.int64)
@@ -64,11 +65,21 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token
     dst_blocks = np.empty(total_moves, np.int64)
     dst_offsets = np.empty(total_moves, np.int64)
     sources = np.empty(total_src, np.int64)
-    first_move, first_src = 0, 0
-    for k in range(num_requests):
+    move_of = np.empty(total_moves, np.int64)
+    source_of = np.empty(total_src, np.int64)
+    num_plans = np.count_nonzero(num_src)
+    plan_requests = np.empty(num_plans, np.int64)
+    move_ends = np.empty(num_plans, np.int64)
+    source_ends = np.empty(num_plans, np.int64)
+    first_move, first_src, plan = 0, 0, 0
+    for k in order:
         m, num = num_src[k], num_moves[k]
         if m == 0:
             continue
+        move_of[first_move : first_move + num] = plan
+        source_of[first_src : first_src + m] = plan
+        plan_requests[plan], move_ends[plan], source_ends[plan] = k, first_move + num, first_src + m
+        plan += 1
         end = ends[k]
         last = first_move
         for j in range(end - m, end):  # the sources' live tokens, by the reverse map's rows
@@ -105,7 +116,8 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, token
         if last != stop:
             raise ValueError("the kept blocks hold fewer holes than the pool counts")
         first_move, first_src = stop, first_src + m
-    return num_src, num_moves, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources
+    return (plan_requests, move_ends, source_ends, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources,
+            move_of, source_of)
 
 
 @njit

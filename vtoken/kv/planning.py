@@ -25,7 +25,7 @@ import numpy as np
 
 from vtoken.kv.block_pool import NO_BLOCKS, BlockPool
 from vtoken.kv.live_counts import compiled_loops
-from vtoken.kv.moves import Moves, RelocationPlan
+from vtoken.kv.moves import Moves, PlanBatch, RelocationPlan
 from vtoken.kv.token_table import TokenTable
 
 
@@ -46,16 +46,9 @@ class Movables:
     def of(cls, tables: list[TokenTable]) -> Movables:
         """One compiled pass over every request's candidate blocks (compiled.movable_blocks),
         their ref counts and live counts read in the pool's arrays."""
-        pool, block_size = tables[0].pool, tables[0].block_size
-        held, sizes = [], []
-        for table in tables:
-            start, end = table.num_pinned_blocks, table.num_blocks
-            end -= end > start and table.tail_num_written < block_size
-            table_held = table.held_block_ids[start:end]
-            held.append(table_held)
-            sizes.append(table_held.size)
-        movable = compiled_loops().movable_blocks(np.concatenate(held), np.array(sizes, dtype=np.int64), pool.ref_counts,
-                                                  pool.live_counts, block_size)
+        pool = tables[0].pool
+        held, sizes = TokenTable.candidate_blocks_each(tables)
+        movable = compiled_loops().movable_blocks(held, sizes, pool.ref_counts, pool.live_counts, pool.block_size)
         return cls(tables, *movable)
 
 
@@ -78,9 +71,13 @@ def plan_hole_fill(table: TokenTable, max_src_blocks: int, movable: Movables | N
     return plan_hole_fill_each(movable or Movables.of([table]), max_src_blocks)[0]
 
 
-def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[RelocationPlan | None]:
+def plan_hole_fill_each(movables: Movables, max_src_blocks: int,
+                        order: np.ndarray | None = None) -> list[RelocationPlan | None]:
     """The hole-fill plan of every request of `movables` (None where it has none), in one
-    compiled pass over all their blocks (compiled.hole_fill_plans).
+    compiled pass over all their blocks (compiled.hole_fill_plans); the plans' arrays lie end
+    to end in one `PlanBatch`, plan after plan in `order` (indices of the requests; default,
+    their own order), so that a round that launches its first plans in that order checks and
+    lands them with no concatenation (moves.end_to_end).
 
     Per request, over its movable blocks in order (positions i = 0..n-1): the last blocks are
     sources while the live tokens of the last 1, 2, ... of them fit in the holes before them, up
@@ -89,22 +86,27 @@ def plan_hole_fill_each(movables: Movables, max_src_blocks: int) -> list[Relocat
     positions from the end. Their live tokens, in logical order, fill the first holes of the
     kept blocks, in block order and offsets ascending; the moves pair them in that order.
     """
-    table0 = movables.tables[0]
-    loops = compiled_loops()
-    num_src, num_moves, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources = loops.hole_fill_plans(
-        movables.block_ids, movables.live_counts, movables.starts, movables.ends,
-        movables.num_reclaimable, table0.pool.token_at, table0.block_size, max_src_blocks)
-    plans: list[RelocationPlan | None] = [None] * len(movables.tables)
+    tables = movables.tables
+    if order is None:
+        order = np.arange(len(tables))
+    (plan_requests, move_ends, source_ends, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources, move_of,
+     source_of) = compiled_loops().hole_fill_plans(movables.block_ids, movables.live_counts, movables.starts, movables.ends,
+                                                   movables.num_reclaimable, order, tables[0].pool.token_at,
+                                                   tables[0].block_size, max_src_blocks)
+    move_ends, source_ends = move_ends.tolist(), source_ends.tolist()
+    batch = PlanBatch(Moves(token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets), move_of, sources, source_of,
+                      move_ends, source_ends, [], [])
+    plans: list[RelocationPlan | None] = [None] * len(tables)
     first_move = first_src = 0
-    for k, (num_k_src, num_k_moves) in enumerate(zip(num_src.tolist(), num_moves.tolist())):
-        if num_k_src == 0:
-            continue
-        table = movables.tables[k]
-        a, b = first_move, first_move + num_k_moves
+    for k, move_end, source_end in zip(plan_requests.tolist(), move_ends, source_ends):
+        table = tables[k]
+        a, b = first_move, move_end
         moves = Moves(token_ids[a:b], src_blocks[a:b], src_offsets[a:b], dst_blocks[a:b], dst_offsets[a:b])
-        plans[k] = RelocationPlan(table.req_id, "hole-fill", moves, sources[first_src : first_src + num_k_src], NO_BLOCKS,
-                                  table.layout_version)
-        first_move, first_src = b, first_src + num_k_src
+        plan_sources = sources[first_src:source_end]
+        plans[k] = RelocationPlan(table.req_id, "hole-fill", moves, plan_sources, NO_BLOCKS, table.layout_version, batch)
+        batch.plan_moves.append(moves)
+        batch.plan_sources.append(plan_sources)
+        first_move, first_src = move_end, source_end
     return plans
 
 

@@ -224,20 +224,19 @@ class Reclaimer:
         """Every hole-fill plan over `tables` at once (`plan_hole_fill_each`, a fixed number of
         numpy calls for them all), most reclaimable first, ties by req_id. The order and the
         plans are `most_reclaimable_first`'s and `plan_hole_fill`'s: hole-fill plans are
-        independent of each other, so planning them all and then ordering them gives what
-        planning them one by one in that order gives. Planning under pressure, which stops
-        after the first few, plans one request at a time instead: planning every request to
-        keep one costs more than it saves."""
-        candidates = [(idx, table) for idx, table in enumerate(tables)
-                      if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
+        independent of each other, so planning them all in that order gives what planning them
+        one by one gives. Their arrays lie end to end in that order (moves.PlanBatch), so the
+        first plans, which a step launches, are checked and landed with no concatenation.
+        Planning under pressure, which stops after the first few, plans one request at a time
+        instead: planning every request to keep one costs more than it saves."""
+        candidates = [table for table in tables if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
         if not candidates:
             return []
-        movables = Movables.of([table for _, table in candidates])
-        plans = plan_hole_fill_each(movables, self.config.max_src_blocks)
-        ranked = sorted((-int(num), table.req_id, idx, plan)
-                        for (idx, table), num, plan in zip(candidates, movables.num_reclaimable.tolist(), plans)
-                        if plan is not None)
-        return [plan for *_, plan in ranked]
+        movables = Movables.of(candidates)
+        req_ids = np.fromiter([table.req_id for table in candidates], np.int64, len(candidates))
+        order = np.lexsort((req_ids, -movables.num_reclaimable))  # most reclaimable first, ties by req_id
+        plans = plan_hole_fill_each(movables, self.config.max_src_blocks, order)
+        return [plan for k in order.tolist() if (plan := plans[k]) is not None]
 
 
 def most_reclaimable_first(tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> Iterator[tuple[TokenTable, Movables]]:

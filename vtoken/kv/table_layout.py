@@ -9,7 +9,13 @@ relocation verbs keep). Nothing here changes the mapping.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from vtoken.kv.token_table import TokenTable
 
 # block sizes whose live bits pack into one unsigned word (np.packbits: 8 bits a byte), for
 # num_uncompacted_blocks
@@ -32,6 +38,37 @@ class LayoutCounts:
             num_blocks -= 1
             num_live -= self.tail_num_written
         return num_blocks - -(-num_live // block_size)
+
+    @staticmethod
+    def candidate_blocks_each(tables: Sequence[TokenTable]) -> tuple[np.ndarray, np.ndarray]:
+        """The blocks a relocation plan of each table may touch but for the shared ones (which
+        planning.Movables leaves out by their ref counts): held, past the pinned prefix, the
+        open tail left out. Every table's end to end, and how many of each (int64)."""
+        held, sizes = [], []
+        for table in tables:
+            block_size = table.block_size
+            start, end = table.num_pinned_tokens // block_size, table._num_held
+            end -= end > start and table.tail_num_written < block_size
+            held.append(table._held[start:end])
+            sizes.append(end - start)
+        return np.concatenate(held), np.array(sizes, dtype=np.int64)
+
+    @staticmethod
+    def held_blocks_each(tables: Sequence[TokenTable]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What a round's I4 check reads of its tables' blocks (invariants.plans_pass): every
+        table's held blocks end to end with the index of the table of each, the blocks of their
+        pinned prefixes end to end, and the open tail of each table with one (int64)."""
+        held, sizes, pinned, open_tails = [], [], [], []
+        for table in tables:
+            num_held, block_size = table._num_held, table.block_size
+            table_held = table._held[:num_held]
+            held.append(table_held)
+            sizes.append(num_held)
+            pinned.append(table_held[: table.num_pinned_tokens // block_size])
+            if num_held and table.tail_num_written < block_size:
+                open_tails.append(table._held.item(num_held - 1))
+        return (np.concatenate(held), np.repeat(np.arange(len(tables)), sizes), np.concatenate(pinned),
+                np.array(open_tails, dtype=np.int64))
 
     def num_uncompacted_blocks(self) -> int:
         """Blocks the request would hold had nothing ever been moved (naive-evict's layout):

@@ -56,11 +56,14 @@ class RelocationVerbs:
 
     @staticmethod
     def apply_moves_each(tables: Sequence[TokenTable], moves: Sequence[Moves],
-                         checked_at_versions: Sequence[int | None]) -> None:
+                         checked_at_versions: Sequence[int | None],
+                         end_to_end: tuple[Moves, np.ndarray] | None = None) -> None:
         """`apply_moves` of `moves[i]` on `tables[i]` (distinct tables of one pool, as the plans
         of a reclamation round that land together), with the pool's live counts and reverse map
         updated once for all of them instead of once per table. Every table's moves are checked
-        first, so that a rejected call changes nothing."""
+        first, so that a rejected call changes nothing. `end_to_end`: `moves` end to end with
+        the index of the table of each, when the caller has them (a round's plans,
+        moves.end_to_end), read instead of concatenating them again."""
         if not len(tables) == len(moves) == len(checked_at_versions):
             raise VTokenError(f"apply_moves_each got {len(tables)} tables, {len(moves)} moves and {len(checked_at_versions)} versions")
         work = [(table, table_moves, version) for table, table_moves, version in zip(tables, moves, checked_at_versions)
@@ -74,19 +77,26 @@ class RelocationVerbs:
         for table, table_moves, version in work:
             if version != table.layout_version:
                 table._check_moves(table_moves)
-        # every table's moves end to end; `at`, each moved token's entry in the pool's arena
-        moves_in_order = [table_moves for _, table_moves, _ in work]
-        token_ids = np.concatenate([m.token_ids for m in moves_in_order])
-        move_of = np.repeat(np.arange(len(work)), [m.num_moves for m in moves_in_order])
+        # every table's moves end to end (a table without moves is left out: indices into
+        # `work`); `at`, each moved token's entry in the pool's arena
+        if end_to_end is not None and len(work) == len(tables):
+            all_moves, move_of = end_to_end
+        else:
+            moves_in_order = [table_moves for _, table_moves, _ in work]
+            all_moves = Moves(np.concatenate([m.token_ids for m in moves_in_order]),
+                              np.concatenate([m.src_block_ids for m in moves_in_order]),
+                              np.concatenate([m.src_offsets for m in moves_in_order]),
+                              np.concatenate([m.dst_block_ids for m in moves_in_order]),
+                              np.concatenate([m.dst_offsets for m in moves_in_order]))
+            move_of = np.repeat(np.arange(len(work)), [m.num_moves for m in moves_in_order])
+        token_ids = all_moves.token_ids
         arena = pool.token_arena
         at = arena.entries([table for table, _, _ in work], token_ids, move_of)
         # the pool's side and the tables' slots in one loop; a token evicted while its copy was
         # in flight is repointed without live-count changes (a table still at its checked
         # version has every moved token live)
-        has_live = pool.land_moves(
-            token_ids, move_of, len(work), at, np.concatenate([m.src_block_ids for m in moves_in_order]),
-            np.concatenate([m.src_offsets for m in moves_in_order]), np.concatenate([m.dst_block_ids for m in moves_in_order]),
-            np.concatenate([m.dst_offsets for m in moves_in_order]), arena.live, arena.slot)
+        has_live = pool.land_moves(token_ids, move_of, len(work), at, all_moves.src_block_ids, all_moves.src_offsets,
+                                   all_moves.dst_block_ids, all_moves.dst_offsets, arena.live, arena.slot)
         for (table, table_moves, _), moved_live in zip(work, has_live.tolist()):
             table._repointed(table_moves, moved_live)
 
