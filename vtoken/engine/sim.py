@@ -77,6 +77,20 @@ if TYPE_CHECKING:
     from vtoken.engine.batch import Batch
 
 
+_sim_loops = None  # vtoken.engine.sim_compiled, once the first scores are asked for
+
+
+def _compiled():
+    """vtoken.engine.sim_compiled, imported at the first call (numba is not imported with the
+    sim); a module global after that."""
+    global _sim_loops
+    if _sim_loops is None:
+        from vtoken.engine import sim_compiled
+
+        _sim_loops = sim_compiled
+    return _sim_loops
+
+
 ATTENTION_READS = ("kv-extent", "live-tokens")  # paged kernels (vLLM's); a token-gather kernel
 WEIGHTS_DRAWN_AHEAD = 256  # w_j drawn past the length asked for: a growing request draws every few events, not every one
 
@@ -312,11 +326,12 @@ class SimExecutor:
         None for those not in `fields`."""
         p = self.profile
         weights = self._weights(req_idx, num_tokens)
-        w = weights[token_ids]
         recency, cumulative_recency = self._recency(num_tokens)
-        # by age = num_tokens - 1 - token_id: the tables read backwards from that length, as views
-        attention_sum = w * cumulative_recency[num_tokens - 1 :: -1][token_ids] if "attention_sum" in fields else None
-        attention_last = w * recency[num_tokens - 1 :: -1][token_ids] if "attention_last" in fields else None
+        # the tables by age = num_tokens - 1 - token_id
+        weighted_by_age = _compiled().weighted_by_age
+        attention_sum = (weighted_by_age(weights, cumulative_recency, num_tokens, token_ids)
+                         if "attention_sum" in fields else None)
+        attention_last = weighted_by_age(weights, recency, num_tokens, token_ids) if "attention_last" in fields else None
         importance_count = None
         if "importance_count" in fields:
             # a(q, j) >= theta  <=>  q - j <= max_age_j ; count the window's queries within that age
@@ -352,7 +367,9 @@ class _WeightStream:
             grown = np.empty(max(num_values, 2 * self.values.size))
             grown[:start] = self.values[:start]
             self.values = grown
-        self.values[start:num_values] = self.rng.pareto(self.alpha, num_values - start) + 1.0
+        # rng.pareto(alpha, n) + 1.0, value for value, from the same draws
+        _compiled().pareto_plus_one(self.rng.standard_exponential(num_values - start), self.alpha,
+                                    self.values[start:num_values])
         if start < self.num_sink_tokens:
             self.values[start : min(self.num_sink_tokens, num_values)] *= self.sink_boost
         self.num_drawn = num_values
