@@ -639,6 +639,32 @@ def test_uncompacted_blocks_are_the_logical_blocks_with_a_live_token_and_the_one
     assert table.num_uncompacted_blocks() == len(logical)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([S, 16]), st.data())
+def test_a_batch_eviction_lowers_the_uncompacted_floor_by_the_logical_blocks_it_empties(
+        block_size: int, data: st.DataObject) -> None:
+    """The layout trigger counts the uncompacted blocks only when its bound says it must: from
+    an exact count, a batch eviction (in any order) lowers the bound of a table with a token off
+    its uncompacted position by exactly the logical blocks before the one being written that it
+    left without a live token, so the bound stays the count; a table whose tokens all sit where
+    that layout puts them, which the trigger does not count, by the number of tokens."""
+    num_tokens = data.draw(st.integers(1, 6 * block_size))
+    pool = BlockPool(32, block_size)
+    table = TokenTable(0, pool)
+    table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(num_tokens)), num_tokens)
+    first = data.draw(st.lists(st.integers(0, num_tokens - 1), unique=True, max_size=num_tokens))
+    if first:
+        table.evict_tokens(np.array(first))
+    off_layout = data.draw(st.booleans())
+    table._off_logical_layout = off_layout  # as a move, an adopted block or a cursor set back leaves it
+    table._uncompacted_floor = num_counted = table.num_uncompacted_blocks()  # the count, as the trigger leaves it
+    alive = table.live_token_ids().tolist()
+    victims = data.draw(st.lists(st.sampled_from(alive), unique=True, min_size=2) if len(alive) > 1 else st.just([]))
+    if victims:
+        table.evict_tokens(np.array(victims))
+    assert table._uncompacted_floor == (table.num_uncompacted_blocks() if off_layout else num_counted - len(victims))
+
+
 def test_a_dropped_open_tail_leaves_tokens_off_their_uncompacted_positions() -> None:
     """No token is moved, but an eviction that empties the open tail hands the cursor back to
     the block before it: the next tokens open a fresh block at token 5, not at 8, so a block can

@@ -260,7 +260,7 @@ UNKNOWN_TOKEN, DEAD_TOKEN, PINNED_TOKEN, REPEATED_TOKEN = 1, 2, 3, 4
 
 @njit
 def evict_tokens(token_ids, live, slot, token_at, num_pinned, num_tokens, block_size,
-                 live_counts, ref_counts, count_effects, delta, seen):
+                 live_counts, ref_counts, count_effects, delta, seen, count_logical):
     """One table's batch eviction (TokenTable.evict_tokens): the ids' live bits cleared, their
     slots' reverse-map entries cleared, and one live token less in the block of each
     (change_live_counts, whose changes to the pool's counts it returns).
@@ -270,36 +270,55 @@ def evict_tokens(token_ids, live, slot, token_at, num_pinned, num_tokens, block_
     an id outside [0, num_tokens) (UNKNOWN_TOKEN), one already dead (DEAD_TOKEN), one in the
     pinned prefix (PINNED_TOKEN), an id given twice (REPEATED_TOKEN), then the pool's refusals
     (change_live_counts' reason + 4). Returns (the blocks left without a live token, ascending;
-    the changes; 0 or the reason; -1 or the id or block named)."""
+    the changes; 0 or the reason; -1 or the id or block named; with `count_logical`, the
+    logical blocks, S ids each, before the one being written, that the ids leave without a live
+    token: what the table's uncompacted layout gives back, table_layout.py; without it, the
+    number of ids, a bound of that)."""
     changes = np.zeros(count_effects.shape[1], np.int64)
     no_blocks = np.empty(0, np.int64)
     ascending = True
     for i in range(token_ids.size):
         t = token_ids[i]
         if t < 0 or t >= num_tokens:
-            return no_blocks, changes, UNKNOWN_TOKEN, t
+            return no_blocks, changes, UNKNOWN_TOKEN, t, 0
         if i and t <= token_ids[i - 1]:
             ascending = False
     for i in range(token_ids.size):
         if not live[token_ids[i]]:
-            return no_blocks, changes, DEAD_TOKEN, token_ids[i]
+            return no_blocks, changes, DEAD_TOKEN, token_ids[i], 0
     for i in range(token_ids.size):
         if token_ids[i] < num_pinned:
-            return no_blocks, changes, PINNED_TOKEN, token_ids[i]
+            return no_blocks, changes, PINNED_TOKEN, token_ids[i], 0
+    ordered = token_ids
     if not ascending:  # distinct ids ascend once sorted without two equal neighbours
         ordered = np.sort(token_ids)
         for i in range(1, ordered.size):
             if ordered[i] == ordered[i - 1]:
-                return no_blocks, changes, REPEATED_TOKEN, ordered[i]
+                return no_blocks, changes, REPEATED_TOKEN, ordered[i], 0
     block_ids = np.empty(token_ids.size, np.int64)
     for i in range(token_ids.size):
         block_ids[i] = slot[token_ids[i]] // block_size
     emptied, changes, reason, block = change_live_counts(block_ids, np.full(1, -1, np.int64), live_counts, ref_counts,
                                                          count_effects, delta, seen)
     if reason:
-        return emptied, changes, REPEATED_TOKEN + reason, block
+        return emptied, changes, REPEATED_TOKEN + reason, block, 0
     for i in range(token_ids.size):
         t = token_ids[i]
         token_at[slot[t]] = -1
         live[t] = False
-    return emptied, changes, 0, -1
+    if not count_logical:
+        return emptied, changes, 0, -1, token_ids.size
+    # each logical block an id fell in, once (the ids ascend in `ordered`), that is now all dead
+    num_before_writing = (num_tokens - 1) // block_size
+    num_logical_emptied, last = 0, -1
+    for i in range(ordered.size):
+        logical = ordered[i] // block_size
+        if logical == last or logical >= num_before_writing:
+            continue
+        last = logical
+        num_logical_emptied += 1
+        for t in range(logical * block_size, (logical + 1) * block_size):
+            if live[t]:
+                num_logical_emptied -= 1
+                break
+    return emptied, changes, 0, -1, num_logical_emptied

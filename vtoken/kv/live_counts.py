@@ -58,24 +58,26 @@ class LiveCounts:
         return emptied
 
     def remove_evicted_tokens(self, token_ids: np.ndarray, live: np.ndarray, slot: np.ndarray, num_pinned: int,
-                              num_tokens: int) -> tuple[np.ndarray, int, int]:
+                              num_tokens: int, count_logical: bool) -> tuple[np.ndarray, int, int, int]:
         """A token table's batch eviction of `token_ids` (int64), checked and written in one
         compiled loop (kv/compiled.py, `evict_tokens`): the ids' live bits in `live` and their
         slots' reverse-map entries cleared, one live token less in the block of each. `live` and
         `slot` are the table's per-token arrays; its pending appends must be counted first
-        (its `flush`). Returns (the blocks left without a live token, ascending; 0; -1), or,
-        having changed nothing, the refusal of an id (compiled.UNKNOWN_TOKEN ... REPEATED_TOKEN)
-        and the id, for the table to report; raises the pool's own refusals."""
+        (its `flush`). Returns (the blocks left without a live token, ascending; 0; -1; with
+        `count_logical`, the logical blocks before the one being written left without a live
+        token, else the number of ids), or, having
+        changed nothing, the refusal of an id (compiled.UNKNOWN_TOKEN ... REPEATED_TOKEN) and the
+        id, for the table to report; raises the pool's own refusals."""
         loops = compiled_loops()
-        emptied, changes, reason, culprit = loops.evict_tokens(
+        emptied, changes, reason, culprit, num_logical_emptied = loops.evict_tokens(
             token_ids, live, slot, self._token_at, num_pinned, num_tokens, self.block_size, self._live_counts,
             self.ref_counts, self._count_effects, self.scratch("adjust_live delta", np.int64),
-            self.scratch("adjust_live seen", bool))
+            self.scratch("adjust_live seen", bool), count_logical)
         if reason > loops.REPEATED_TOKEN:
             self._refuse_live_change(reason - loops.REPEATED_TOKEN, culprit)
         if reason == 0:
             self.num_live_tokens += self._add_to_counts(changes.tolist())
-        return emptied, reason, culprit
+        return emptied, reason, culprit, num_logical_emptied
 
     def land_moves(self, token_ids: np.ndarray, move_of: np.ndarray, num_tables: int, at: np.ndarray,
                    src_blocks: np.ndarray, src_offsets: np.ndarray, dst_blocks: np.ndarray, dst_offsets: np.ndarray,

@@ -41,12 +41,14 @@ class EvictionVerbs:
         if token_ids.size == 1:
             return self._evict_one(int(token_ids.flat[0]))
         self.flush()  # the blocks' counts must be whole before they can tell whether they emptied
-        emptied, reason, token_id = self.pool.remove_evicted_tokens(token_ids, self._live, self._slot,
-                                                                    self.num_pinned_tokens, self.num_tokens)
+        # the layout trigger's bound (table_layout.py) falls by the logical blocks the eviction
+        # empties, counted where the trigger reads it: a table with a token off its position
+        emptied, reason, token_id, num_logical_emptied = self.pool.remove_evicted_tokens(
+            token_ids, self._live, self._slot, self.num_pinned_tokens, self.num_tokens, self._off_logical_layout)
         if reason:
             self._refuse_eviction(reason, token_id)
         self._num_dead += token_ids.size
-        self._uncompacted_floor -= token_ids.size
+        self._uncompacted_floor -= num_logical_emptied
         self._cache.is_valid = False
         self.layout_version += 1
         return emptied
