@@ -233,8 +233,11 @@ class Reclaimer:
         if not candidates:
             return []
         movables = Movables.of(candidates)
-        req_ids = np.fromiter([table.req_id for table in candidates], np.int64, len(candidates))
-        order = np.lexsort((req_ids, -movables.num_reclaimable))  # most reclaimable first, ties by req_id
+        if len(candidates) > 1:  # most reclaimable first, ties by req_id
+            req_ids = np.fromiter([table.req_id for table in candidates], np.int64, len(candidates))
+            order = np.lexsort((req_ids, -movables.num_reclaimable))
+        else:
+            order = np.zeros(1, dtype=np.int64)
         plans = plan_hole_fill_each(movables, self.config.max_src_blocks, order)
         return [plan for k in order.tolist() if (plan := plans[k]) is not None]
 
