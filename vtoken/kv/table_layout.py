@@ -1,6 +1,7 @@
 """What the reclaimer and the runtime's layout trigger read of a token table's layout: how many
 blocks a packing could give back (the O(1) bound), how many its uncompacted layout would hold,
-and how many it holds beyond that.
+and how many it holds beyond that; and, for a round's planning and its I4 check, many tables'
+blocks end to end at once.
 
 A mixin of `TokenTable` (token_table.py owns the state these methods read: the held blocks, the
 live bits, and for `num_blocks_over_uncompacted` a flag and a bound that the eviction and
