@@ -2,6 +2,7 @@
 compiled loops against numpy. A benchmark, not a test.
 
     python benchmarks/bench_selection.py [--sizes 600,1400,3000,8000,32000] [--ks 16,64,0.125,0.5] [--rounds 7]
+                                         [--scores pareto|h2o]
 
     numpy      the selection before it was compiled, kept here as the baseline: below 3,000
                values a partition of every value, then its compare and nonzero passes; from
@@ -10,8 +11,10 @@ compiled loops against numpy. A benchmark, not a test.
     heap       the compiled max-heap of the k smallest (policies/selection.py)
     partition  the compiled partition and two passes
 
-A k below 1 is that share of the values. Each (size, k) times the three over the same
-Pareto(1.5) scores, alternating them round by round (the first call of each is a warm-up, not
+A k below 1 is that share of the values. Each (size, k) times the three over the same scores:
+Pareto(1.5) in random order (`pareto`, the default), or shaped as H2O's in the sim (`h2o`: the
+same weights times the accumulated recency of each position's age, `SimProfile`'s defaults,
+so that the scores fall from the oldest token to the newest, the heap's hard case), alternating them round by round (the first call of each is a warm-up, not
 timed); a round is the mean of enough calls to take about 20 ms. Prints the median microseconds
 a call, the min-max over rounds, and which loop `lowest_positions` takes there (the heap while
 k * HEAP_MAX_SHARE <= values): it should be the cheaper of the two. All three give the same
@@ -30,6 +33,7 @@ import time
 
 import numpy as np
 
+from vtoken.engine.sim import SimProfile, _cumulative_recency
 from vtoken.policies.selection import HEAP_MAX_SHARE, _lowest_by_heap, _lowest_by_partition
 
 
@@ -70,12 +74,17 @@ def main() -> None:
     parser.add_argument("--sizes", default="600,1400,3000,8000,32000")
     parser.add_argument("--ks", default="16,64,0.125,0.5")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--scores", choices=("pareto", "h2o"), default="pareto")
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
     rng = np.random.default_rng(0)
     print(f"{'values':>7} {'k':>6} " + " ".join(f"{name + ' us (range)':>22}" for name, _ in WAYS) + "  lowest_positions takes")
     for size in sizes:
         values = rng.pareto(1.5, size) + 1.0
+        if args.scores == "h2o":  # attention_sum at length `size`: weight x sum of r(d) up to the age
+            profile = SimProfile()
+            age = np.arange(size - 1, -1, -1, dtype=np.float64)
+            values *= _cumulative_recency(age, profile.recency_tau, profile.recency_beta)
         ks = sorted({max(1, int(float(k) * size)) if float(k) < 1 else int(k) for k in args.ks.split(",")})
         for k in (k for k in ks if k <= size):
             expected = numpy_lowest(values, k)

@@ -453,10 +453,19 @@ def test_apply_moves_each_equals_apply_moves_of_each_table_in_turn() -> None:
 
 
 @pytest.mark.parametrize("with_idle_table", [False, True])
-def test_apply_moves_each_reads_the_moves_end_to_end_when_given(with_idle_table: bool) -> None:
-    """The caller's moves end to end (a round's, moves.end_to_end) land as the tables' own do;
-    with a table that moves nothing among them (left out of the landing, so the indices of the
-    end-to-end moves no longer name the landing's tables) they are not read."""
+def test_apply_moves_each_reads_the_moves_end_to_end_when_given(with_idle_table: bool, monkeypatch) -> None:
+    """The caller's moves end to end (a round's, moves.end_to_end) are what the landing reads,
+    and land as the tables' own do; with a table that moves nothing among them (left out of the
+    landing, so the indices of the end-to-end moves no longer name the landing's tables) they
+    are not read."""
+    landed = []
+    land_moves = BlockPool.land_moves
+
+    def spy(pool, token_ids, *rest):
+        landed.append(token_ids)
+        return land_moves(pool, token_ids, *rest)
+
+    monkeypatch.setattr(BlockPool, "land_moves", spy)
     each, together = two_holey_tables(), two_holey_tables()
     if with_idle_table:
         each, together = ((make_table(tables[0].pool, 4, req_id=2), *tables) for tables in (each, together))
@@ -465,6 +474,7 @@ def test_apply_moves_each_reads_the_moves_end_to_end_when_given(with_idle_table:
     moves = [make_moves([])] * with_idle_table + [make_moves(FIRST_MOVES), make_moves(SECOND_MOVES)]
     joined = make_moves(FIRST_MOVES + SECOND_MOVES), np.array([0, 0, 1, 1]) + with_idle_table
     TokenTable.apply_moves_each(together, moves, [None] * len(together), joined)
+    assert (landed[-1] is joined[0].token_ids) is not with_idle_table
     for one, other in zip(each, together):
         assert_unchanged(state(one), other)
         assert one.layout_version == other.layout_version

@@ -40,6 +40,15 @@ class Moves:
         return Moves(self.token_ids[which], self.src_block_ids[which], self.src_offsets[which],
                      self.dst_block_ids[which], self.dst_offsets[which])
 
+    @staticmethod
+    def joined(moves: Sequence[Moves]) -> tuple[Moves, np.ndarray]:
+        """Several requests' moves end to end, and the index in `moves` of the one each came
+        from (at least one)."""
+        return (Moves(np.concatenate([m.token_ids for m in moves]), np.concatenate([m.src_block_ids for m in moves]),
+                      np.concatenate([m.src_offsets for m in moves]), np.concatenate([m.dst_block_ids for m in moves]),
+                      np.concatenate([m.dst_offsets for m in moves])),
+                np.repeat(np.arange(len(moves)), [m.num_moves for m in moves]))
+
     def src_slots(self, block_size: int) -> np.ndarray:
         return self.src_block_ids * block_size + self.src_offsets
 
@@ -104,12 +113,7 @@ def end_to_end(plans: Sequence[RelocationPlan]) -> tuple[Moves, np.ndarray, np.n
     if not plans:
         none = np.zeros(0, dtype=np.int64)
         return Moves(none, none, none, none, none), none, none, none
-    every = [plan.moves for plan in plans]
-    plan_idx = np.arange(len(plans))
-    return (Moves(np.concatenate([m.token_ids for m in every]), np.concatenate([m.src_block_ids for m in every]),
-                  np.concatenate([m.src_offsets for m in every]), np.concatenate([m.dst_block_ids for m in every]),
-                  np.concatenate([m.dst_offsets for m in every])),
-            np.repeat(plan_idx, [m.num_moves for m in every]),
-            np.concatenate([plan.src_block_ids for plan in plans]),
-            np.repeat(plan_idx, [plan.src_block_ids.size for plan in plans]))
+    moves, move_of = Moves.joined([plan.moves for plan in plans])
+    return (moves, move_of, np.concatenate([plan.src_block_ids for plan in plans]),
+            np.repeat(np.arange(len(plans)), [plan.src_block_ids.size for plan in plans]))
 

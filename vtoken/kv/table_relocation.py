@@ -82,13 +82,7 @@ class RelocationVerbs:
         if end_to_end is not None and len(work) == len(tables):
             all_moves, move_of = end_to_end
         else:
-            moves_in_order = [table_moves for _, table_moves, _ in work]
-            all_moves = Moves(np.concatenate([m.token_ids for m in moves_in_order]),
-                              np.concatenate([m.src_block_ids for m in moves_in_order]),
-                              np.concatenate([m.src_offsets for m in moves_in_order]),
-                              np.concatenate([m.dst_block_ids for m in moves_in_order]),
-                              np.concatenate([m.dst_offsets for m in moves_in_order]))
-            move_of = np.repeat(np.arange(len(work)), [m.num_moves for m in moves_in_order])
+            all_moves, move_of = Moves.joined([table_moves for _, table_moves, _ in work])
         token_ids = all_moves.token_ids
         arena = pool.token_arena
         at = arena.entries([table for table, _, _ in work], token_ids, move_of)
