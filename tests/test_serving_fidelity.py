@@ -334,3 +334,26 @@ def test_a_requests_importance_is_one_stream_however_it_grows(lengths: list[int]
         seen.append(weights.copy())
     for weights, num_tokens in zip(seen, lengths):  # an earlier result is not changed by later draws
         assert np.array_equal(weights, whole[:num_tokens])
+
+
+@settings(max_examples=40, deadline=None)
+@given(order=st.lists(st.integers(0, 300), min_size=1, max_size=12), forget=st.lists(st.integers(0, 300), max_size=4))
+def test_a_stream_seeded_ahead_is_the_stream_seeded_on_demand(order: list[int], forget: list[int]) -> None:
+    """Generators are seeded with those of the next requests: whatever order requests first ask
+    in, and whichever were forgotten before they asked, each gets its own stream from its
+    start, and no more than twice GENERATORS_SEEDED_AHEAD wait unused."""
+    import numpy as np
+
+    from vtoken.engine.sim import GENERATORS_SEEDED_AHEAD
+
+    profile = SimProfile()
+    executor = SimExecutor(resolve_model("llama-3.1-8b"), resolve_gpu("h100"), profile, seed=5)
+    for req_idx in forget:
+        executor.forget(req_idx)
+    for req_idx in order:
+        weights = executor.importance(req_idx, 40)
+        whole = np.random.default_rng([5, req_idx]).pareto(profile.pareto_alpha, 40) + 1.0
+        whole[: profile.num_sink_tokens] *= profile.sink_boost
+        assert np.array_equal(weights, whole)
+        assert len(executor._seeded) <= 2 * GENERATORS_SEEDED_AHEAD
+        executor.forget(req_idx)  # asked again later, it starts over

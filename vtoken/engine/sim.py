@@ -93,6 +93,10 @@ def _compiled():
 
 ATTENTION_READS = ("kv-extent", "live-tokens")  # paged kernels (vLLM's); a token-gather kernel
 WEIGHTS_DRAWN_AHEAD = 256  # w_j drawn past the length asked for: a growing request draws every few events, not every one
+# a request's generator is seeded with those of the next indices (requests reach their first
+# scores about in arrival order): seeding one costs about 35 us between a replay's events, its
+# code cold, and about 10 us in a row
+GENERATORS_SEEDED_AHEAD = 64
 
 
 @dataclass(frozen=True)
@@ -231,7 +235,8 @@ class SimExecutor:
         self._compute_rate = gpu.bf16_flop_per_s * profile.mfu
         # QK^T and PV: 2 x head_dim FLOPs each per (query, key) pair, per head and layer
         self._attention_flops_per_pair = 4 * model.num_layers * model.num_attention_heads * model.head_dim
-        self._importance: dict[int, np.ndarray] = {}  # request -> w_j
+        self._importance: dict[int, _WeightStream] = {}  # request -> w_j
+        self._seeded: dict[int, np.random.Generator] = {}  # request -> its generator, seeded ahead, unused
         self._max_ages: dict[int, np.ndarray] = {}  # request -> max_age_j, for the policies that count
         self._recency_tables = (np.zeros(0), np.zeros(0))
 
@@ -288,12 +293,27 @@ class SimExecutor:
         stream = self._importance.get(req_idx)
         if stream is None:
             p = self.profile
-            stream = self._importance[req_idx] = _WeightStream(np.random.default_rng([self.seed, req_idx]), p.pareto_alpha,
+            stream = self._importance[req_idx] = _WeightStream(self._generator(req_idx), p.pareto_alpha,
                                                               p.num_sink_tokens, p.sink_boost)
         if stream.num_drawn < num_tokens:
             stream.draw(num_tokens + WEIGHTS_DRAWN_AHEAD)
             self._max_ages.pop(req_idx, None)  # computed from the values drawn so far
         return stream.values[: stream.num_drawn]
+
+    def _generator(self, req_idx: int) -> np.random.Generator:
+        """A fresh generator seeded by (seed, req_idx), as `np.random.default_rng` gives it: one
+        seeded ahead, else seeded now with the next GENERATORS_SEEDED_AHEAD - 1 indices' (those
+        waiting further than that from `req_idx` are dropped, so that at most twice as many wait)."""
+        seeded = self._seeded
+        rng = seeded.pop(req_idx, None)
+        if rng is not None:
+            return rng
+        for idx in [idx for idx in seeded if abs(idx - req_idx) >= GENERATORS_SEEDED_AHEAD]:
+            del seeded[idx]
+        for idx in range(req_idx + 1, req_idx + GENERATORS_SEEDED_AHEAD):
+            if idx not in seeded and idx not in self._importance:
+                seeded[idx] = np.random.default_rng([self.seed, idx])
+        return np.random.default_rng([self.seed, req_idx])
 
     def _max_age(self, req_idx: int, weights: np.ndarray) -> np.ndarray:
         """max_age_j, the largest query distance at which a(q, j) >= theta: a function of w_j
@@ -318,6 +338,7 @@ class SimExecutor:
 
     def forget(self, req_idx: int) -> None:
         self._importance.pop(req_idx, None)
+        self._seeded.pop(req_idx, None)
         self._max_ages.pop(req_idx, None)
 
     def attention_stats(self, req_idx: int, token_ids: np.ndarray, num_tokens: int,
