@@ -27,7 +27,7 @@ from vtoken.policies import (
     num_victims,
     protected_mask,
 )
-from vtoken.policies.base import lowest_positions
+from vtoken.policies.base import evict_lowest, lowest_positions, unprotected_range
 from vtoken.policies.selection import HEAP_MAX_SHARE
 
 POLICY_DIR = Path(__file__).resolve().parents[1] / "vtoken" / "policies"
@@ -425,6 +425,20 @@ def test_lowest_positions_are_what_a_full_partition_selects(values: np.ndarray, 
         chosen[np.flatnonzero(values == kth_value)[: k - int(np.count_nonzero(chosen))]] = True
     assert lowest_positions(values, k).tolist() == np.flatnonzero(chosen).tolist()
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(view=request_views(), field=st.sampled_from(["attention_sum", "importance_count", "token_ids"]))
+def test_evict_lowest_is_the_selection_over_the_unprotected_slice(view: RequestView, field: str) -> None:
+    """The one compiled call selects what its parts select: the lowest positions of the scores
+    in `unprotected_range`, as many as `num_victims`, read back as ids."""
+    scores = getattr(view, field)
+    lo, hi = unprotected_range(view)
+    num_evict = num_victims(view)
+    expected = view.token_ids[lowest_positions(scores[lo:hi], num_evict) + lo] if num_evict else np.zeros(0, np.int64)
+    victim_ids = evict_lowest(view, scores)
+    assert victim_ids.dtype == np.int64
+    assert victim_ids.tolist() == expected.tolist()
 
 # --- The substrate boundary -------------------------------------------------------------------
 

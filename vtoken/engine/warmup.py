@@ -24,6 +24,7 @@ from vtoken.kv.compaction import plan_compaction
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.policies.base import lowest_positions
+from vtoken.policies.selection import lowest_unprotected_ids
 
 BLOCK_SIZE = 4
 SCORE_DTYPES = (np.float64, np.int32, np.int64)  # attention_sum and attention_last; importance_count; token ids (StreamingLLM)
@@ -43,6 +44,10 @@ def warm_compiled_loops() -> None:
     TokenTable.apply_moves_each(planned, [plan.moves for plan in plans], [table.layout_version for table in planned])  # a round's landing
     tables[0].apply_moves(plan_compaction(tables[0], "hole-fill"))  # a vLLM tracker's compaction
     TokenTable.evict_one_each(tables, np.array([8, 8], dtype=np.int64))  # one token per request, many requests in one call
+    token_ids = np.arange(64, dtype=np.int64)  # a view's ids, as TokenTable.live_token_ids gives them
     for dtype in SCORE_DTYPES:
+        scores = np.arange(64, 0, -1).astype(dtype)
         for k in (1, 8):  # the heap and the partition
-            lowest_positions(np.arange(64, 0, -1).astype(dtype)[:k * 32], k)
+            n = min(k * 32, scores.size)
+            lowest_positions(scores[:n], k)
+            lowest_unprotected_ids(token_ids[:n], scores[:n], 0, n, n - k)  # a policy's run (`evict_lowest`), k victims

@@ -178,16 +178,25 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
     """The num_victims(view) unprotected ids with the lowest scores, ties to the lower id; int64 ascending.
 
     `scores` is aligned with view.token_ids. Because token_ids ascend, the unprotected ids are
-    one slice of them, and a stable selection over it breaks equal scores toward the older token.
-    """
-    lo, hi = unprotected_range(view)
-    num_evict = _num_victims(view, lo, hi)
-    if num_evict == 0:
-        return np.zeros(0, dtype=np.int64)
-    return view.token_ids[lowest_positions(scores[lo:hi], num_evict) + lo].astype(np.int64, copy=False)
+    one slice of them (`unprotected_range`), and a stable selection over it breaks equal
+    scores toward the older token. One compiled call (policies/selection.py,
+    `lowest_unprotected_ids`) finds the slice, the count and the ids."""
+    return _selection().lowest_unprotected_ids(view.token_ids, scores, view.num_sink_tokens,
+                                               view.num_logical_tokens - view.num_recent_tokens, view.num_keep_tokens)
 
 
-_compiled_lowest_positions = None
+_selection_module = None
+
+
+def _selection():
+    """vtoken.policies.selection, imported at the first call (numba is not imported with the
+    policies); a module global after that."""
+    global _selection_module
+    if _selection_module is None:
+        from vtoken.policies import selection
+
+        _selection_module = selection
+    return _selection_module
 
 
 def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
@@ -202,12 +211,7 @@ def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
     partition and the passes around it cost 2-6x the compiled loop, warm
     (benchmarks/bench_selection.py; at 32,000 values numpy's search below a sampled bound was
     the faster)."""
-    global _compiled_lowest_positions
-    if _compiled_lowest_positions is None:  # imported at the first call: numba is not imported with the policies
-        from vtoken.policies.selection import lowest_positions as compiled
-
-        _compiled_lowest_positions = compiled
-    return _compiled_lowest_positions(values, k)
+    return _selection().lowest_positions(values, k)
 
 
 def require_scores(scores: np.ndarray | None, policy_name: str, field_name: str) -> np.ndarray:

@@ -43,6 +43,26 @@ def lowest_positions(values, k):
 
 
 @njit
+def lowest_unprotected_ids(token_ids, scores, num_sink_tokens, first_recent_id, num_keep_tokens):
+    """`base.evict_lowest` in one call: of the ascending `token_ids`, those in [num_sink_tokens,
+    first_recent_id) (one slice of them, found by bisection), the ones with the lowest
+    `scores` (aligned with the ids), as many as evicting down to `num_keep_tokens` takes
+    without reaching a protected id; int64, ascending. A policy's periodic run is a few
+    numpy calls around the selection otherwise, each about what the selection itself costs."""
+    lo = np.searchsorted(token_ids, num_sink_tokens)
+    hi = max(lo, np.searchsorted(token_ids, first_recent_id))
+    num_ids = token_ids.size
+    num_evict = max(0, num_ids - max(num_keep_tokens, num_ids - (hi - lo)))
+    if num_evict == 0:
+        return np.empty(0, np.int64)
+    positions = lowest_positions(scores[lo:hi], num_evict)
+    victims = np.empty(positions.size, np.int64)
+    for i in range(positions.size):
+        victims[i] = token_ids[lo + positions[i]]
+    return victims
+
+
+@njit
 def _above(value_a, position_a, value_b, position_b):
     """(value_a, position_a) ranks above (value_b, position_b): a larger value, NaN the
     largest, then a larger position."""
