@@ -66,6 +66,23 @@ def test_the_policy_runs_after_prefill_and_every_interval_tokens():
     assert [length for length, *_ in sched.policy.log] == [10]
 
 
+def test_a_clock_is_due_from_its_next_point_or_at_once_while_a_resume_is_pending():
+    """`due_at` follows both fields whichever is set and in any order: is_due is the rule
+    (a resume pending, or num_generated at the next point), which the runtime asks as one
+    comparison of it at every step."""
+    sched, clock = schedule(interval=4), EvictionClock(next_eviction_at=8)
+    rule = lambda n: clock.resume_token_ids is not None or n >= clock.next_eviction_at  # noqa: E731
+    for change in ("resume", "next 12", "clear", "next 4", "resume", "next 20", "clear"):
+        if change == "resume":
+            clock.resume_token_ids = np.array([2, 3])
+        elif change == "clear":
+            clock.resume_token_ids = None
+        else:
+            clock.next_eviction_at = int(change.split()[1])
+        assert [sched.is_due(clock, n) for n in range(24)] == [rule(n) for n in range(24)]
+    assert clock.due_at == 20 and EvictionClock().due_at == 1 and EvictionClock(5, np.array([1])).due_at == 0
+
+
 def test_a_fused_overshoot_shows_the_request_as_it_was_at_its_eviction_point():
     sched, clock, table = schedule(interval=4), EvictionClock(next_eviction_at=4), table_of(16)
     event = sched.decide(clock, 0, table, num_generated=7)  # 3 steps past the point: ids 13..15 are hidden

@@ -38,12 +38,46 @@ from vtoken.policies.base import EvictionPolicy, RequestView
 ScoreSource = Callable[[np.ndarray, int], TokenScores]
 
 
-@dataclass
 class EvictionClock:
-    """One request's place in the schedule. Mutable, owned by the engine's request state."""
+    """One request's place in the schedule. Mutable, owned by the engine's request state.
 
-    next_eviction_at: int = 1  # evict when num_generated reaches this (1 = right after prefill)
-    resume_token_ids: np.ndarray | None = None  # evicted before a preemption: evict again on resume
+    `next_eviction_at`: evict when num_generated reaches this (1 = right after prefill).
+    `resume_token_ids`: evicted before a preemption, evicted again on resume.
+    `due_at`: what the two say together, the generated count from which the request is due
+    (`EvictionSchedule.is_due`): the next eviction point, or 0 while a resume is pending. Their
+    setters keep it, so that asking every sampled request at every step (the runtime does) is
+    one comparison."""
+
+    __slots__ = ("_next_eviction_at", "_resume_token_ids", "due_at")
+
+    def __init__(self, next_eviction_at: int = 1, resume_token_ids: np.ndarray | None = None) -> None:
+        self._next_eviction_at = next_eviction_at
+        self._resume_token_ids = resume_token_ids
+        self._set_due_at()
+
+    @property
+    def next_eviction_at(self) -> int:
+        return self._next_eviction_at
+
+    @next_eviction_at.setter
+    def next_eviction_at(self, num_generated: int) -> None:
+        self._next_eviction_at = num_generated
+        self._set_due_at()
+
+    @property
+    def resume_token_ids(self) -> np.ndarray | None:
+        return self._resume_token_ids
+
+    @resume_token_ids.setter
+    def resume_token_ids(self, token_ids: np.ndarray | None) -> None:
+        self._resume_token_ids = token_ids
+        self._set_due_at()
+
+    def _set_due_at(self) -> None:
+        self.due_at = 0 if self._resume_token_ids is not None else self._next_eviction_at
+
+    def __repr__(self) -> str:
+        return f"EvictionClock(next_eviction_at={self._next_eviction_at}, resume_token_ids={self._resume_token_ids!r})"
 
 
 @dataclass(frozen=True)
@@ -69,7 +103,8 @@ class EvictionSchedule:
         self.policy = policy
 
     def is_due(self, clock: EvictionClock, num_generated: int) -> bool:
-        return clock.resume_token_ids is not None or num_generated >= clock.next_eviction_at
+        """A resume is pending, or the request reached its next eviction point (`due_at`)."""
+        return num_generated >= clock.due_at
 
     def decide(self, clock: EvictionClock, req_idx: int, table: TokenTable, num_generated: int,
                scores: ScoreSource | None = None) -> EvictionEvent | None:

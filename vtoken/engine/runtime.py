@@ -206,11 +206,11 @@ class Runtime:
         for chunk in batch.prefill:
             if not chunk.is_last and self.experiment.scheduler.evict_every_chunk and self.spec.evicts:
                 self._evict_mid_prompt(chunk.state)
-        is_due = self.eviction.is_due if self.spec.evicts else None  # asked of every sampled request: looked up once
+        evicts = self.spec.evicts
         for state in sampled:
             if state.num_remaining == 0:
                 self._finish(state)
-            elif is_due is not None and is_due(state.eviction, state.num_generated):
+            elif evicts and state.num_generated >= state.eviction.due_at:  # EvictionSchedule.is_due, at every step
                 self._evict(state)
         if self.reclaimer is not None and self.reclaimer.is_eligible(self.num_iterations):
             self._reclaim()
