@@ -16,6 +16,7 @@ Only ids still live appear in `RequestView.token_ids`; a policy evicts down to
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -30,6 +31,14 @@ _PERCENT_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)%")
 _COUNT_PATTERN = re.compile(r"\d+")
 _RATIO_PATTERN = re.compile(r"\d*\.\d+|\d+\.")
 _BUDGET_FORMS = "a keep ratio ('50%' or '0.5') or a token count ('512')"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _num_keep_at_ratio(keep_ratio: float, num_logical_tokens: int) -> int:
+    """ceil(keep_ratio * n), rounded first so that float noise (0.1 * 30 = 3.0000000000000004)
+    does not add a token; remembered, since every eviction event asks it (round's correctly
+    rounded conversion costs several times the lookup)."""
+    return math.ceil(round(keep_ratio * num_logical_tokens, 6))
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,7 @@ class Budget:
         """Tokens to keep out of `num_logical_tokens`: ceil(ratio * n), or min(count, n)."""
         if self.num_tokens is not None:
             return min(self.num_tokens, num_logical_tokens)
-        # Round first so that float noise (0.1 * 30 = 3.0000000000000004) does not add a token.
-        return math.ceil(round(self.keep_ratio * num_logical_tokens, 6))
+        return _num_keep_at_ratio(self.keep_ratio, num_logical_tokens)
 
     @classmethod
     def parse(cls, text: str, num_sink_tokens: int = defaults.NUM_SINK_TOKENS,
