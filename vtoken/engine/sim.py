@@ -71,24 +71,14 @@ from vtoken.calibration.model import Provenance, StepTimeModel
 from vtoken.engine.executor import SCORE_FIELDS, StepLoad, TokenScores, prefill_kv_pairs
 from vtoken.errors import ConfigError
 from vtoken.hardware import GpuSpec
+from vtoken.lazy import imported_at_first_call
 from vtoken.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from vtoken.engine.batch import Batch
 
 
-_sim_loops = None  # vtoken.engine.sim_compiled, once the first scores are asked for
-
-
-def _compiled():
-    """vtoken.engine.sim_compiled, imported at the first call (numba is not imported with the
-    sim); a module global after that."""
-    global _sim_loops
-    if _sim_loops is None:
-        from vtoken.engine import sim_compiled
-
-        _sim_loops = sim_compiled
-    return _sim_loops
+_compiled = imported_at_first_call("vtoken.engine.sim_compiled")  # at the first scores: numba is not imported with the sim
 
 
 ATTENTION_READS = ("kv-extent", "live-tokens")  # paged kernels (vLLM's); a token-gather kernel

@@ -14,29 +14,16 @@ imports numba, tests/test_compiled.py).
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 
 from vtoken.errors import VTokenError
 from vtoken.kv.arrays import count_by_block
+from vtoken.lazy import imported_at_first_call
 
 NUM_HISTOGRAM_BINS = 10
 ONE_TOKEN_LESS = np.array([-1], dtype=np.int64)  # `adjust_live`'s deltas for one token less in each block named
 
-_compiled_loops: ModuleType | None = None
-
-
-def compiled_loops() -> ModuleType:
-    """vtoken.kv.compiled, imported at the first call that needs it, so that numba is not
-    imported with the pool; a module global after that, where an import statement in a
-    function would run on every eviction event."""
-    global _compiled_loops
-    if _compiled_loops is None:
-        from vtoken.kv import compiled
-
-        _compiled_loops = compiled
-    return _compiled_loops
+compiled_loops = imported_at_first_call("vtoken.kv.compiled")  # numba is not imported with the pool
 
 
 class LiveCounts:

@@ -26,6 +26,7 @@ import numpy as np
 
 from vtoken import defaults
 from vtoken.errors import ConfigError
+from vtoken.lazy import imported_at_first_call
 
 _PERCENT_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)%")
 _COUNT_PATTERN = re.compile(r"\d+")
@@ -193,18 +194,7 @@ def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:
                                                view.num_logical_tokens - view.num_recent_tokens, view.num_keep_tokens)
 
 
-_selection_module = None
-
-
-def _selection():
-    """vtoken.policies.selection, imported at the first call (numba is not imported with the
-    policies); a module global after that."""
-    global _selection_module
-    if _selection_module is None:
-        from vtoken.policies import selection
-
-        _selection_module = selection
-    return _selection_module
+_selection = imported_at_first_call("vtoken.policies.selection")  # numba is not imported with the policies
 
 
 def lowest_positions(values: np.ndarray, k: int) -> np.ndarray:
