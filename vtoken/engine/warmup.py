@@ -24,7 +24,6 @@ from vtoken.kv.compaction import plan_compaction
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.policies.base import lowest_positions
-from vtoken.policies.selection import lowest_unprotected_ids
 
 BLOCK_SIZE = 4
 SCORE_DTYPES = (np.float64, np.int32, np.int64)  # attention_sum and attention_last; importance_count; token ids (StreamingLLM)
@@ -32,6 +31,8 @@ SCORE_DTYPES = (np.float64, np.int32, np.int64)  # attention_sum and attention_l
 
 def warm_compiled_loops() -> None:
     """Compile or load every compiled loop for the types the runtime passes it."""
+    from vtoken.policies.selection import lowest_unprotected_ids  # numba: at the call, not with this module
+
     pool = BlockPool(16, BLOCK_SIZE)
     tables = [TokenTable(req_id, pool) for req_id in range(2)]
     for table in tables:
