@@ -430,12 +430,14 @@ def test_lowest_positions_are_what_a_full_partition_selects(values: np.ndarray, 
 @settings(max_examples=300, deadline=None)
 @given(view=request_views(), field=st.sampled_from(["attention_sum", "importance_count", "token_ids"]))
 def test_evict_lowest_is_the_selection_over_the_unprotected_slice(view: RequestView, field: str) -> None:
-    """The one compiled call selects what its parts select: the lowest positions of the scores
-    in `unprotected_range`, as many as `num_victims`, read back as ids."""
+    """The one compiled call selects what a sort of the tokens outside `protected_mask` by
+    (score, id) gives, as many as `num_victims`; and its slice is the mask's complement."""
     scores = getattr(view, field)
+    evictable = np.flatnonzero(~protected_mask(view))
     lo, hi = unprotected_range(view)
-    num_evict = num_victims(view)
-    expected = view.token_ids[lowest_positions(scores[lo:hi], num_evict) + lo] if num_evict else np.zeros(0, np.int64)
+    assert evictable.tolist() == list(range(lo, hi))
+    ranked = evictable[np.lexsort((view.token_ids[evictable], scores[evictable]))]
+    expected = np.sort(view.token_ids[ranked[: num_victims(view)]])
     victim_ids = evict_lowest(view, scores)
     assert victim_ids.dtype == np.int64
     assert victim_ids.tolist() == expected.tolist()

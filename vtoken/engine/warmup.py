@@ -31,7 +31,7 @@ SCORE_DTYPES = (np.float64, np.int32, np.int64)  # attention_sum and attention_l
 
 def warm_compiled_loops() -> None:
     """Compile or load every compiled loop for the types the runtime passes it."""
-    from vtoken.policies.selection import lowest_unprotected_ids  # numba: at the call, not with this module
+    from vtoken.policies.selection import lowest_unprotected_ids, unprotected_slice  # numba: at the call, not with this module
 
     pool = BlockPool(16, BLOCK_SIZE)
     tables = [TokenTable(req_id, pool) for req_id in range(2)]
@@ -52,3 +52,4 @@ def warm_compiled_loops() -> None:
             n = min(k * 32, scores.size)
             lowest_positions(scores[:n], k)
             lowest_unprotected_ids(token_ids[:n], scores[:n], 0, n, n - k)  # a policy's run (`evict_lowest`), k victims
+    unprotected_slice(token_ids, 0, 64, 60)  # the rule alone (`num_victims`)

@@ -169,18 +169,21 @@ def protected_mask(view: RequestView) -> np.ndarray:
 def unprotected_range(view: RequestView) -> tuple[int, int]:
     """[lo, hi): the positions of view.token_ids that `protected_mask` leaves out. The ids
     ascend, so the sinks are a prefix of them and the recent window a suffix."""
-    lo, hi = view.token_ids.searchsorted((view.num_sink_tokens, view.num_logical_tokens - view.num_recent_tokens)).tolist()
-    return lo, max(lo, hi)
+    lo, hi, _ = _unprotected_slice(view)
+    return lo, hi
 
 
 def num_victims(view: RequestView) -> int:
     """How many tokens to evict: down to the budget, but never a protected token."""
-    return _num_victims(view, *unprotected_range(view))
+    return _unprotected_slice(view)[2]
 
 
-def _num_victims(view: RequestView, lo: int, hi: int) -> int:
-    num_tokens = len(view.token_ids)
-    return max(0, num_tokens - max(view.num_keep_tokens, num_tokens - (hi - lo)))
+def _unprotected_slice(view: RequestView) -> tuple[int, int, int]:
+    """(lo, hi, num_victims) of the view, by the one implementation of the rule, compiled
+    with the selection that `evict_lowest` runs (policies/selection.py, `unprotected_slice`)."""
+    lo, hi, count = _selection().unprotected_slice(view.token_ids, view.num_sink_tokens,
+                                                   view.num_logical_tokens - view.num_recent_tokens, view.num_keep_tokens)
+    return int(lo), int(hi), int(count)
 
 
 def evict_lowest(view: RequestView, scores: np.ndarray) -> np.ndarray:

@@ -43,16 +43,25 @@ def lowest_positions(values, k):
 
 
 @njit
-def lowest_unprotected_ids(token_ids, scores, num_sink_tokens, first_recent_id, num_keep_tokens):
-    """`base.evict_lowest` in one call: of the ascending `token_ids`, those in [num_sink_tokens,
-    first_recent_id) (one slice of them, found by bisection), the ones with the lowest
-    `scores` (aligned with the ids), as many as evicting down to `num_keep_tokens` takes
-    without reaching a protected id; int64, ascending. A policy's periodic run is a few
-    numpy calls around the selection otherwise, each about what the selection itself costs."""
+def unprotected_slice(token_ids, num_sink_tokens, first_recent_id, num_keep_tokens):
+    """The policies' victim rule (base.py's `unprotected_range` and `num_victims` read it here):
+    (lo, hi, num_victims), where [lo, hi) are the positions of the ascending `token_ids` in
+    [num_sink_tokens, first_recent_id) (the sinks are a prefix of them and the recent window a
+    suffix, found by bisection), and num_victims how many to evict to come down to
+    `num_keep_tokens` without reaching a protected id."""
     lo = np.searchsorted(token_ids, num_sink_tokens)
     hi = max(lo, np.searchsorted(token_ids, first_recent_id))
     num_ids = token_ids.size
-    num_evict = max(0, num_ids - max(num_keep_tokens, num_ids - (hi - lo)))
+    return lo, hi, max(0, num_ids - max(num_keep_tokens, num_ids - (hi - lo)))
+
+
+@njit
+def lowest_unprotected_ids(token_ids, scores, num_sink_tokens, first_recent_id, num_keep_tokens):
+    """`base.evict_lowest` in one call: of the `unprotected_slice` of the ascending
+    `token_ids`, its count of ids with the lowest `scores` (aligned with the ids); int64,
+    ascending. A policy's periodic run is a few numpy calls around the selection otherwise,
+    each about what the selection itself costs."""
+    lo, hi, num_evict = unprotected_slice(token_ids, num_sink_tokens, first_recent_id, num_keep_tokens)
     if num_evict == 0:
         return np.empty(0, np.int64)
     positions = lowest_positions(scores[lo:hi], num_evict)
