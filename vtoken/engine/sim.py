@@ -84,8 +84,8 @@ _compiled = imported_at_first_call("vtoken.engine.sim_compiled")  # at the first
 ATTENTION_READS = ("kv-extent", "live-tokens")  # paged kernels (vLLM's); a token-gather kernel
 WEIGHTS_DRAWN_AHEAD = 256  # w_j drawn past the length asked for: a growing request draws every few events, not every one
 # a request's generator is seeded with those of the next indices (requests reach their first
-# scores about in arrival order): seeding one costs about 35 us between a replay's events, its
-# code cold, and about 10 us in a row
+# scores about in arrival order): seeding one between a replay's events, its code cold, costs
+# several times what seeding them one after another does
 GENERATORS_SEEDED_AHEAD = 64
 
 
