@@ -1,6 +1,7 @@
 """Host-side cost of the vToken substrate per decode step, against the modelled step. A benchmark, not a test.
 
     python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
+                                         [--landing same-step|next-step] [--replays N]
                                          [--fit-budgets 256,512,1024,2048] [--replan-first] [--repeats N] [--wall]
                                          [--json PATH]
 
@@ -54,6 +55,22 @@ after the ordinary steps since the last round. `--replan-first` plans that step'
 again right after its planning, timed apart: the same planning warm. It warms what the step's
 check and landing read as well, so their figures in that table read low with it.
 
+When a step's plans land: `--landing same-step` (the default) lands them in the step that
+launched them, as the runtime does with synchronous copies (the sim's executor, and the CPU
+ones); `--landing next-step` lands them at the next step, before its evictions, as the runtime
+does with asynchronous copies on a GPU (`Runtime.execute` polls the copy engine before the
+forward: the copy runs on its own stream behind the step that launched it). The modelled step
+is a GPU's (an H100's), so next-step is the landing that goes with it; with it a launching
+step's landing is that of the plans of the step before.
+
+The worst step of one run is one step's time, and on a shared host a slow spell that lands on
+one step decides it. `--replays N` runs each repetition's cycle N times from its seed: the
+same work at every step (the same victims, rounds and plans; a replay whose steps differ is an
+error), each step's evict + reclaim taken as its median over the N, and the worst step replayed
+is the most of those, with what that step was (a round's first launching step, a later one,
+a landing alone). A step's own cost, cold code and data included, stays in it; a spell that
+hits one replay does not.
+
 `--fit-budgets B1,B2,...` fits that split instead of reading it off two cadences: at every size,
 the paced cadence's reclaimer at each budget (B1, B2, ... tokens moved a step, B x S = 1.25 x the
 budget), one cycle per budget and repetition, the budgets' order reversed every other
@@ -77,11 +94,13 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 from substrate_workload import (
     BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, RoundStep, choose_victims, grow_one,
-    ROUND_CADENCES, budgeted_config, make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_step, reclaim_config,
+    LANDINGS, ROUND_CADENCES, budgeted_config, make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_step,
+    reclaim_config,
 )
 
 from vtoken.invariants import check_plan
@@ -118,6 +137,7 @@ class EvictRow:
     num_requests: int
     context_tokens: int
     cadence: str
+    landing: str  # when launched plans land (substrate_workload.LANDINGS)
     max_moves_per_step: int | None
     num_steps: int  # measured steps of the median repetition (the round cadences: one cycle)
     num_round_steps: int  # of them, steps the reclaimer planned in (a round started or went on)
@@ -150,6 +170,13 @@ class EvictRow:
     first_step_evict_us: float
     first_step_replan_us: float
     other_steps_sum_us: float
+    # --replays N (round cadences): each repetition's cycle run N times from its seed; its worst
+    # step replayed (`replayed_worst_us`): the median repetition's (us), the min-max over the
+    # repetitions, and what that step was (STEP_KINDS); None without replays
+    num_replays: int = 1
+    replayed_worst_us: float | None = None
+    replayed_worst_range_us: tuple[float, float] | None = None
+    replayed_worst_kind: str | None = None
 
     @property
     def bookkeeping_us(self) -> float:
@@ -163,6 +190,10 @@ class EvictRow:
     @property
     def worst_step_share(self) -> float:
         return self.worst_us / self.modelled_step_us
+
+    @property
+    def replayed_worst_share(self) -> float | None:
+        return None if self.replayed_worst_us is None else self.replayed_worst_us / self.modelled_step_us
 
 
 @dataclass(frozen=True)
@@ -254,13 +285,14 @@ def measure_growth(num_requests: int, context_tokens: int, num_steps: int, num_r
 
 
 def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: float, seed: int, clock,
-               config: ReclaimConfig | None = None) -> EvictingRun:
+               config: ReclaimConfig | None = None, landing: str = "same-step") -> EvictingRun:
     """A run in its steady state: waste just under theta_F (random dead tokens in every
     request), then steps until a reclamation round ended (and a few more, every-step).
-    `config`: the reclaimer's, in place of the cadence's (a round cadence's)."""
+    `config`: the reclaimer's, in place of the cadence's (a round cadence's); `landing`:
+    EvictingRun's."""
     num_steps = {"default": 2 * MAX_CYCLE_STEPS, "whole-round": 2 * MAX_CYCLE_STEPS, "paced": 2 * MAX_CYCLE_STEPS, "every-step": 1024}[cadence]
     run = EvictingRun(num_requests, context_tokens, num_steps, config or reclaim_config(cadence, step_us),
-                      every_step=cadence == "every-step", seed=seed, clock=clock)
+                      every_step=cadence == "every-step", seed=seed, clock=clock, landing=landing)
     if cadence == "every-step":
         run.prefragment()
         run.run(2 * BLOCK_SIZE)
@@ -290,43 +322,86 @@ def time_check_plan_us(run: EvictingRun, num_plans: int = 20) -> float:
     return 1e6 * statistics.fmean(timings) if timings else 0.0
 
 
-def time_cycle(run: EvictingRun) -> tuple[np.ndarray, np.ndarray, int]:
+class Cycle(NamedTuple):
+    """A timed cycle (`time_cycle`): the parts of its timed ordinary steps and of its round's
+    steps ([steps, 4] each), its length in steps, and per timed step in order its evict +
+    reclaim (seconds) and what it was (STEP_KINDS), the same in every replay of one seed."""
+
+    ordinary: np.ndarray
+    in_round: np.ndarray
+    num_steps: int
+    bookkeeping_s: np.ndarray
+    kinds: list[str]
+
+
+# what a timed step of a cycle was: a round's first step to launch plans, a later one, a round
+# step that launched nothing but landed the plans before it (next-step landing) or neither
+STEP_KINDS = ("ordinary", "first launching", "launching", "landing", "round")
+
+
+def step_kind(run: EvictingRun, num_round_steps_before: int) -> str:
+    if len(run.round_steps) > num_round_steps_before:
+        return "first launching" if run.round_steps[-1].is_first else "launching"
+    if not run.is_round_step:
+        return "ordinary"
+    return "landing" if run.landed_last_step else "round"
+
+
+def time_cycle(run: EvictingRun) -> Cycle:
     """One cycle of a round cadence, from the step a round ended in to the step the next one
     ends in: ORDINARY_STEPS timed steps, then steps advanced in bulk while F is below theta_F
-    by a margin and no round is in progress (untimed: what they cost is what the timed ordinary
-    steps cost), then timed steps up to the end of the next round. Returns the timed ordinary
-    steps' parts, the parts of the steps the reclaimer planned in (the round's), and the
-    cycle's length in steps."""
+    by a margin, no round is in progress and no plan in flight (untimed: what they cost is what
+    the timed ordinary steps cost), then timed steps up to the end of the next round."""
     theta_f, first_step_idx = run.reclaimer.config.theta_f, run.step_idx
-    num_rounds, ordinary, in_round = run.num_rounds, [], []
+    num_rounds, ordinary, in_round, bookkeeping, kinds = run.num_rounds, [], [], [], []
     while run.num_rounds == num_rounds:
-        if (len(ordinary) >= ORDINARY_STEPS and not run.reclaimer.is_round_in_progress
+        if (len(ordinary) >= ORDINARY_STEPS and not run.reclaimer.is_round_in_progress and not run.has_in_flight
                 and run.pool.waste_ratio() < theta_f - BULK_MARGIN_F):
             run.advance_in_bulk(BULK_STEPS)
             continue
         if run.step_idx - first_step_idx >= MAX_CYCLE_STEPS:
             raise RuntimeError(f"no reclamation round ended in {MAX_CYCLE_STEPS} steps (F = {run.pool.waste_ratio():.3f})")
+        num_round_steps = len(run.round_steps)
         parts = run.step(choose_victims(run.tables, run.rng, run.pattern))
         (in_round if run.is_round_step else ordinary).append(parts)
-    return np.array(ordinary).reshape(-1, 4), np.array(in_round).reshape(-1, 4), run.step_idx - first_step_idx
+        bookkeeping.append(parts[1] + parts[2])
+        kinds.append(step_kind(run, num_round_steps))
+    return Cycle(np.array(ordinary).reshape(-1, 4), np.array(in_round).reshape(-1, 4), run.step_idx - first_step_idx,
+                 np.array(bookkeeping), kinds)
+
+
+def replayed_worst_us(cycles: list[Cycle]) -> tuple[float, str]:
+    """The worst step of identical replays of one cycle (the same seed: the same work at every
+    step): each timed step's median evict + reclaim over the replays, the most of them (us),
+    and what that step was. A slow spell of the host that hits one replay's step is left out;
+    what the step's own work costs, cold code and data included, is not."""
+    if any(cycle.kinds != cycles[0].kinds for cycle in cycles):
+        raise RuntimeError("replays of one seed diverged: their steps differ")
+    medians = np.median(np.array([cycle.bookkeeping_s for cycle in cycles]), axis=0)
+    worst = int(np.argmax(medians))
+    return 1e6 * float(medians[worst]), cycles[0].kinds[worst]
 
 
 def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int, cadence: str, num_repeats: int, clock,
-                  replan_first: bool = False) -> EvictRow:
+                  replan_first: bool = False, landing: str = "same-step", num_replays: int = 1) -> EvictRow:
     """The round cadences: a cycle's mean, its ordinary steps weighted by their number in it
     and every step of the round added (`time_cycle`); the others: the mean of
-    `num_window_steps` steps. `replan_first`: `EvictingRun.replan_first`."""
+    `num_window_steps` steps. `replan_first`: `EvictingRun.replan_first`; `landing`: its.
+    `num_replays` > 1 (round cadences): each repetition's cycle runs that many times in all,
+    from the same seed, for its worst step replayed (`replayed_worst_us`)."""
     step_us = modelled_step_us(num_requests, context_tokens)
     means, worst, plans_per_step, moved_per_round, num_steps, num_round_steps, check_us = [], [], [], [], [], [], 0.0
     launching: list[list[RoundStep]] = []
     max_moved_per_step = 0
+    replayed: list[tuple[float, str]] = []  # per repetition: its worst step replayed, and what it was
     for repeat_idx in range(num_repeats):
-        run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock)
+        run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock, landing=landing)
         run.replan_first = replan_first
         first_step_idx, num_rounds_before = run.step_idx, run.num_rounds
         run.round_steps.clear()  # from here on: the measured steps
         if cadence in ROUND_CADENCES:
-            ordinary, in_round, cycle_steps = time_cycle(run)
+            cycle = time_cycle(run)
+            ordinary, in_round, cycle_steps = cycle.ordinary, cycle.in_round, cycle.num_steps
             num_ordinary = cycle_steps - len(in_round)
             mean = (ordinary.sum(axis=0) * num_ordinary / max(len(ordinary), 1) + in_round.sum(axis=0)) / cycle_steps
             parts = np.vstack((ordinary, in_round))
@@ -345,6 +420,10 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
         launching.append(measured)
         if repeat_idx == 0:
             check_us = time_check_plan_us(run)
+        if num_replays > 1 and cadence in ROUND_CADENCES:
+            replays = [cycle] + [time_cycle(warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock,
+                                                       landing=landing)) for _ in range(num_replays - 1)]
+            replayed.append(replayed_worst_us(replays))
     bookkeeping = [float(m[1] + m[2]) for m in means]
     median = int(np.argsort(bookkeeping)[len(bookkeeping) // 2])
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
@@ -356,12 +435,23 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     first_columns = [(*s.parts_s, s.evict_s, s.replan_s) for s in firsts]  # the four parts, evictions, replanning
     first_medians = 1e6 * np.median(np.array(first_columns, dtype=np.float64), axis=0) if firsts else np.zeros(6)
     others = [s.reclaim_s for s in steps if not s.is_first]
-    return EvictRow(num_requests, context_tokens, cadence, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
+    return EvictRow(num_requests, context_tokens, cadence, landing, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
                     worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
                     len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]),
                     len(firsts), tuple(float(t) for t in first_medians[:4]), float(first_medians[4]), float(first_medians[5]),
-                    float(1e6 * np.median(others)) if others else 0.0)
+                    float(1e6 * np.median(others)) if others else 0.0, num_replays if replayed else 1,
+                    *replayed_summary(replayed))
+
+
+def replayed_summary(replayed: list[tuple[float, str]]) -> tuple[float | None, tuple[float, float] | None, str | None]:
+    """The repetitions' replayed worst steps: the median one's (us), the min-max, and what the
+    median one's step was; None for each without replays."""
+    if not replayed:
+        return None, None, None
+    ordered = sorted(replayed)
+    worst_us, kind = ordered[len(ordered) // 2]
+    return worst_us, (ordered[0][0], ordered[-1][0]), kind
 
 
 def fit_line(moved: np.ndarray, step_us: np.ndarray) -> tuple[float, float, float]:
@@ -553,6 +643,21 @@ def format_first_steps(rows: list[EvictRow]) -> str:
     return table(header, lines)
 
 
+def format_replayed_worst(rows: list[EvictRow]) -> str:
+    header = (f"{'requests x context':<18} {'cadence':<11} {'replays':>7} {'worst step [min-max]':>24} {'% of step':>9} "
+              f"{'replayed [min-max]':>22} {'% of step':>9} {'1%':>6}  the replayed worst step")
+    lines = []
+    for r in rows:
+        if r.replayed_worst_us is None:
+            continue
+        worst_range = f"{r.worst_us:,.0f} [{r.worst_range_us[0]:,.0f}-{r.worst_range_us[1]:,.0f}]"
+        replayed_range = f"{r.replayed_worst_us:,.0f} [{r.replayed_worst_range_us[0]:,.0f}-{r.replayed_worst_range_us[1]:,.0f}]"
+        lines.append(f"{size_name(r.num_requests, r.context_tokens):<18} {r.cadence:<11} {r.num_replays:>7} {worst_range:>24} "
+                     f"{100 * r.worst_step_share:>9.2f} {replayed_range:>22} {100 * r.replayed_worst_share:>9.2f} "
+                     f"{verdict(r.replayed_worst_share):>6}  {r.replayed_worst_kind}")
+    return table(header, lines)
+
+
 def format_budget_fit(rows: list[BudgetRow], fits: list[BudgetFit]) -> str:
     header = (f"{'requests x context':<18} {'budget':>6} {'steps':>5} {'plans':>5} {'moved':>6} {'reclaim us':>10} "
               f"{'evict us':>8}")
@@ -588,8 +693,11 @@ def format_targets(growth: list[GrowthRow], evicts: list[EvictRow]) -> str:
     lines = [f"table <= {TARGET_TABLE_RATIO}x native at {size_name(r.num_requests, r.context_tokens)}: {r.ratio:.2f}x "
              f"({'met' if r.ratio <= TARGET_TABLE_RATIO else 'MISSED'})" for r in growth]
     lines += [f"evict + reclaim <= 1% of the {r.modelled_step_us / 1000:.1f} ms step at {size_name(r.num_requests, r.context_tokens)}, "
-              f"{r.cadence}: mean {100 * r.step_share:.2f}% ({verdict(r.step_share)}); worst step "
-              f"{100 * r.worst_step_share:.2f}% of the step, "
+              f"{r.cadence}{', landing next-step' if r.landing == 'next-step' else ''}: mean {100 * r.step_share:.2f}% "
+              f"({verdict(r.step_share)}); worst step "
+              f"{100 * r.worst_step_share:.2f}% of the step"
+              + (f" ({100 * r.replayed_worst_share:.2f}% replayed, {verdict(r.replayed_worst_share)})"
+                 if r.replayed_worst_share is not None else "") + ", "
               + (f"a step's moves bounded by {step_bound(r):,}: {r.max_moved_per_step:,} at most ({bound_verdict(r)})"
                  if step_bound(r) is not None else f"no bound on a step's moves: {r.max_moved_per_step:,} at most")
               for r in evicts if r.cadence != "every-step"]
@@ -607,14 +715,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replan-first", action="store_true",
                         help="at a round's first launching step, plan its requests again right after its planning, timed "
                              "apart (what the same planning costs warm; the step's check and landing then read warm data too)")
+    parser.add_argument("--landing", choices=LANDINGS, default="same-step",
+                        help="when a step's launched plans land: same-step (synchronous copies, the sim's and the CPU "
+                             "executors'), or next-step (asynchronous copies on a GPU: landed at the next step, before "
+                             "its evictions, as the runtime polls them before the forward)")
+    parser.add_argument("--replays", type=int, default=1, metavar="N",
+                        help="run each repetition's cycle N times from its seed (the same work at every step) and report "
+                             "its worst step replayed: each step's median over the N, the most of them (round cadences)")
     parser.add_argument("--fit-budgets", metavar="B1,B2,...",
                         help="fit a round step's fixed cost and cost per token moved over these budgets (tokens a step)")
     args = parser.parse_args()
     args.cadences = [c.strip() for c in args.cadences.split(",")]
     if bad := [c for c in args.cadences if c not in CADENCES]:
         parser.error(f"--cadences: {', '.join(bad)} is not one of {', '.join(CADENCES)}")
+    if args.fit_budgets is not None and args.landing != "same-step":
+        parser.error("--fit-budgets fits a step's reclaim on its own moves: it needs --landing same-step")
     if args.repeats <= 0:
         parser.error(f"--repeats must be > 0, got {args.repeats}")
+    if args.replays <= 0:
+        parser.error(f"--replays must be > 0, got {args.replays}")
     if args.fit_budgets is not None:
         try:
             args.fit_budgets = [int(b) for b in args.fit_budgets.split(",")]
@@ -651,8 +770,8 @@ def main() -> None:
         print(f"{size_name(num_requests, context_tokens)} ...", flush=True)
         growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
         paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
-        evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock, args.replan_first)
-                   for cadence in args.cadences]
+        evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock, args.replan_first,
+                                 args.landing, 1 if args.quick else args.replays) for cadence in args.cadences]
         if args.fit_budgets:
             try:
                 rows, fit = measure_budget_fit(num_requests, context_tokens, args.fit_budgets, num_repeats, clock)
@@ -665,11 +784,17 @@ def main() -> None:
     moves = measure_moves(*moves_size, 50 if args.quick or args.sizes else 200)
     print("\ngrowth + slots(), no eviction (us per step, all requests)")
     print(format_growth(growth))
-    print("\none eviction per request per step (us per step, all requests; step ms: the modelled decode step)")
+    print("\none eviction per request per step (us per step, all requests; step ms: the modelled decode step; plans land "
+          + ("at the step that launched them)" if args.landing == "same-step" else "at the next step, before its evictions)"))
     print(format_evict(evicts))
     print("check_plan alone (a round's I4 check plan by plan, as when plans_pass finds something; "
           "not in the figures above), us per plan: "
           + ", ".join(f"{size_name(r.num_requests, r.context_tokens)} {r.cadence} {r.check_plan_us_per_plan:.0f}" for r in evicts))
+    if any(r.replayed_worst_us is not None for r in evicts):
+        print(f"\nthe worst step replayed (--replays): each repetition's cycle run {args.replays} times from its seed, the same "
+              "work at every step; each step's median evict + reclaim over them, the most of them (us; the median repetition's, "
+              "min-max over the repetitions), beside the worst step measured once as above, and what that step was")
+        print(format_replayed_worst(evicts))
     print("\na measured step that launched plans, by part of its reclaim (the median over the median repetition's such steps, "
           "us): planning, the I4 check (check_round), launching (destinations, copies launched and polled), landing "
           "(moves applied, emptied blocks released and freed), and their sum; plans and moved: the median step's")
@@ -697,7 +822,8 @@ def main() -> None:
                        "num_recent_tokens": NUM_RECENT_TOKENS, "repeats": num_repeats,
                        "growth": [dict(asdict(r), ratio=r.ratio) for r in growth],
                        "evict": [dict(asdict(r), bookkeeping_us=r.bookkeeping_us, step_share=r.step_share,
-                                      worst_step_share=r.worst_step_share, paced_moves_per_step=paced_moves_per_step(r.modelled_step_us))
+                                      worst_step_share=r.worst_step_share, replayed_worst_share=r.replayed_worst_share,
+                                      paced_moves_per_step=paced_moves_per_step(r.modelled_step_us))
                                  for r in evicts],
                        "evict_paths": [asdict(r) for r in paths],
                        "budget_fit": {"budgets": [asdict(r) for r in budget_rows],

@@ -3,7 +3,8 @@ one new token per request per step, and with eviction one victim per request per
 reclaimer on. Not a benchmark by itself: it builds the state and runs the steps; the bench
 times them.
 
-Cadences of the reclaimer (hole-fill, synchronous copies, no KV data):
+Cadences of the reclaimer (hole-fill, no KV data; its plans land in the step that launched
+them, or with `landing="next-step"` at the next one, as asynchronous copies do):
 
     default      as shipped (ReclaimConfig defaults): every k = 4 steps, when F >= theta_F =
                  0.25, a round starts; it moves at most 2,048 tokens a step and goes on at the
@@ -30,7 +31,7 @@ from vtoken.hardware import resolve_gpu
 from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
-from vtoken.kv.moves import end_to_end
+from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.planning import Movables, plan_hole_fill_each
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
@@ -40,6 +41,7 @@ BLOCK_SIZE = 16
 NUM_SINK_TOKENS = 4
 NUM_RECENT_TOKENS = 256
 CADENCES = ("default", "whole-round", "paced", "every-step")
+LANDINGS = ("same-step", "next-step")  # when launched plans land: synchronous copies, or asynchronous (a GPU's)
 ROUND_CADENCES = ("default", "whole-round", "paced")  # a round starts at a check and ends when it is done
 # The paced cadence's step moves at most about this share of the modelled decode step's worth
 # of tokens, at HOST_US_PER_MOVE each (a moved token's host cost in plans of a few hundred
@@ -186,7 +188,10 @@ class EvictingRun:
     the timer of `step` (time.process_time or time.perf_counter)."""
 
     def __init__(self, num_requests: int, context_tokens: int, num_steps: int, config: ReclaimConfig,
-                 pattern: str = "random", every_step: bool = False, seed: int = 0, clock=time.process_time) -> None:
+                 pattern: str = "random", every_step: bool = False, seed: int = 0, clock=time.process_time,
+                 landing: str = "same-step") -> None:
+        if landing not in LANDINGS:
+            raise ValueError(f"unknown landing '{landing}'; choose one of: {', '.join(LANDINGS)}")
         self.pool = BlockPool(num_pool_blocks(num_requests, context_tokens, num_steps) + 64 * num_requests, BLOCK_SIZE)
         self.tables = make_tables(self.pool, num_requests, context_tokens)
         self.reclaimer = Reclaimer(config, self.pool)
@@ -211,6 +216,12 @@ class EvictingRun:
         # at a round's first launching step, plan its requests again right after its planning,
         # timed apart (`RoundStep.replan_s`): what the same planning costs once warm
         self.replan_first = False
+        # next-step: the plans a step launches stay in flight in the copy engine and land at the
+        # next step, before its evictions, as the runtime lands asynchronous copies (CUDA): it
+        # polls them before the next forward (Runtime.execute)
+        self.landing = landing
+        self.checked_at: dict[int, int] = {}  # a launched plan's table version at its check, by req_id
+        self.landed_last_step = False  # the last step landed plans launched before it (next-step)
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -234,14 +245,14 @@ class EvictingRun:
             self.pool.free(emptied[hit])
             self.num_blocks_freed_by_eviction += hit.size
 
-    def reclaim(self, evict_s: float = 0.0) -> None:
-        """Plan, check, launch and land, as the runtime does with synchronous copies
-        (`Runtime._reclaim`): the step's plans checked with `check_round` (I4: one `plans_pass`
-        call; `check_plan` plan by plan only when it finds something), their moves applied in
-        one `apply_moves_each` call at the versions they were checked at (the moves end to end
-        as they were planned, `end_to_end`), and every block they
-        emptied released and freed in one call. A step that launched plans is logged, with the
-        seconds of each part and `evict_s` (the step's evictions before it), in `round_steps`."""
+    def reclaim(self, evict_s: float = 0.0, land_s: float = 0.0) -> None:
+        """Plan, check, launch and land, as the runtime does (`Runtime._reclaim`): the step's
+        plans checked with `check_round` (I4: one `plans_pass` call; `check_plan` plan by plan
+        only when it finds something), launched, and, with same-step landing (synchronous
+        copies), landed at once (`land_completed`); with next-step landing they land at the next
+        step. A step that launched plans is logged in `round_steps`, with the seconds of each
+        part, `evict_s` (the step's evictions before it) and, next-step, `land_s` (the landing
+        of the plans of the step before, at this step's start, copies polled) as its landing."""
         clock = self.clock
         started = clock()
         was_in_progress = self.reclaimer.is_round_in_progress
@@ -258,23 +269,32 @@ class EvictingRun:
         check_started = clock()
         check_round(plans, tables, self.pool, frozenset())
         checked = clock()
-        checked_at = {}
         for plan, table in zip(plans, tables):
             table.adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
-            checked_at[plan.req_id] = table.layout_version
+            self.checked_at[plan.req_id] = table.layout_version
             self.engine.launch(plan)
-        completed = self.engine.poll_completed()
-        launched = clock()
+        if self.landing == "same-step":
+            completed = self.engine.poll_completed()
+            launched = clock()
+            self.land(completed)
+            land_s = clock() - launched
+        else:
+            launched = clock()
+        self.round_steps.append(RoundStep(len(plans), sum(plan.num_tokens_moved for plan in plans), planned - started,
+                                          checked - check_started, launched - checked, land_s, evict_s, is_first, replan_s))
+
+    def land(self, completed: list[RelocationPlan]) -> None:
+        """Land plans whose copies completed: their moves applied in one `apply_moves_each`
+        call at the versions they were checked at (the moves end to end as they were planned,
+        `end_to_end`), and every block they emptied released and freed in one call."""
+        if not completed:
+            return
         tables = [self.by_id[plan.req_id] for plan in completed]
         moves, move_of, _, _ = end_to_end(completed)
-        TokenTable.apply_moves_each(tables, [plan.moves for plan in completed], [checked_at[plan.req_id] for plan in completed],
-                                    (moves, move_of))
+        TokenTable.apply_moves_each(tables, [plan.moves for plan in completed],
+                                    [self.checked_at.pop(plan.req_id) for plan in completed], (moves, move_of))
         self.pool.free(TokenTable.release_empty_blocks_each(tables))
-        landed = clock()
-        num_moved = sum(plan.num_tokens_moved for plan in completed)
-        self.round_steps.append(RoundStep(len(completed), num_moved, planned - started, checked - check_started, launched - checked,
-                                          landed - launched, evict_s, is_first, replan_s))
-        self.num_tokens_moved += num_moved
+        self.num_tokens_moved += sum(plan.num_tokens_moved for plan in completed)
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
 
     def time_replan(self, tables: list[TokenTable]) -> float:
@@ -287,23 +307,36 @@ class EvictingRun:
         return self.clock() - started
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:
-        """One decode step; returns seconds spent in growth, evict, reclaim and slots."""
+        """One decode step; returns seconds spent in growth, evict, reclaim and slots. With
+        next-step landing the plans in flight land first (in reclaim's seconds), as the runtime
+        lands them before the forward; such a step counts as a round step."""
         pool, clock = self.pool, self.clock
         started = clock()
         for table in self.tables:
             grow_one(pool, table)
         pool.flush_deferred()  # the appends' live counts, as the runtime's per-step memory sample makes them
         grown = clock()
+        has_landing = self.landing == "next-step" and self.has_in_flight
+        if has_landing:
+            self.land(self.engine.poll_completed())
+        landed = clock()
         self.evict(victims)
         evicted = clock()
         self.is_round_step = self.every_step or self.reclaimer.is_eligible(self.step_idx)
         if self.is_round_step:
-            self.reclaim(evicted - grown)
+            self.reclaim(evicted - landed, landed - grown)
+        self.is_round_step |= has_landing
+        self.landed_last_step = has_landing
         reclaimed = clock()
         for table in self.tables:
             table.slots()
         self.step_idx += 1
-        return grown - started, evicted - grown, reclaimed - evicted, clock() - reclaimed
+        return grown - started, evicted - landed, reclaimed - evicted + landed - grown, clock() - reclaimed
+
+    @property
+    def has_in_flight(self) -> bool:
+        """Plans launched and not landed yet (next-step landing, between two steps)."""
+        return bool(self.engine.in_flight_plans)
 
     def run(self, num_steps: int) -> np.ndarray:
         """Seconds per step of the four parts, [num_steps, 4]."""

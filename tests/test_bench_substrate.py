@@ -119,8 +119,8 @@ def test_bad_fit_budgets_are_a_one_line_usage_error(budgets: str, message: str) 
     assert "Traceback" not in completed.stderr
 
 
-@pytest.mark.parametrize("cadence", ["default", "paced"])
-def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> None:
+@pytest.mark.parametrize(("cadence", "landing"), [("default", "same-step"), ("paced", "same-step"), ("paced", "next-step")])
+def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str, landing: str) -> None:
     """The bench's reclaimer under one eviction per request per step: as shipped (a round of at
     most RECLAIM_MOVES_PER_STEP moves a step, going on at the next steps), and paced (checked
     every step, a budget from the step, plans of at most 1.25 x budget / S blocks). Every plan
@@ -141,7 +141,7 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
         budget = defaults.RECLAIM_MOVES_PER_STEP
         assert config == ReclaimConfig()
         num_requests, context_tokens = 24, 4096  # rounds of a few budgets each
-    run = EvictingRun(num_requests, context_tokens, 600, config, seed=5)
+    run = EvictingRun(num_requests, context_tokens, 600, config, seed=5, landing=landing)
     run.prefragment(int(config.theta_f * context_tokens) - 2 * BLOCK_SIZE)
     plan_rounds = run.reclaimer.plan
 
@@ -161,6 +161,8 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
         num_calls, num_logged = len(calls), len(run.round_steps)
         if not run.reclaimer.is_round_in_progress:
             round_launched = False  # a round starts at this step, if any
+        in_flight = run.has_in_flight
+        slots_before = [table.token_slots[: table.num_tokens].copy() for table in run.tables]
         _, _, reclaim_s, _ = run.step(victims)
         # a step that launched plans is logged once, with its plans and moves, its parts within its reclaim
         launching = [call for call in calls[num_calls:] if call[0]]
@@ -171,6 +173,14 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
             # a round's first launching step is marked, a later one of the same round is not
             assert step.is_first == (not round_launched) and step.replan_s == 0.0
             round_launched = True
+        # same-step: a step's plans land in it; next-step: at the next step, which lands them first
+        assert run.has_in_flight == (landing == "next-step" and bool(launching))
+        assert run.landed_last_step == (landing == "next-step" and in_flight)
+        if landing == "next-step" and not in_flight:  # nothing landed: no token of any table moved
+            for table, slots in zip(run.tables, slots_before):
+                ids = table.live_token_ids()
+                ids = ids[ids < slots.size]
+                assert np.array_equal(table.token_slots[ids], slots[ids])
         check_unique_mapping(run.pool, run.tables)
         for table, live in zip(run.tables, live_before):
             check_conservation(table.req_id, live, table.live_token_ids()[: live.size])
@@ -180,3 +190,44 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str) -> 
     num_firsts = sum(step.is_first for step in run.round_steps)  # one a round; the last may be unfinished
     assert run.num_rounds <= num_firsts <= run.num_rounds + 1
     assert run.num_blocks_freed_by_plans > 0 and run.pool.waste_ratio() < config.theta_f + 0.05
+
+
+def test_a_run_with_next_step_landing_and_replays_reports_its_worst_step_replayed(tmp_path: Path) -> None:
+    out = tmp_path / "substrate.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_substrate.py"), "--sizes", "4x1K", "--repeats", "2",
+         "--cadences", "paced", "--landing", "next-step", "--replays", "3", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert "plans land at the next step" in completed.stdout and "the worst step replayed" in completed.stdout
+    (row,) = json.loads(out.read_text())["evict"]
+    assert (row["landing"], row["num_replays"]) == ("next-step", 3)
+    low, high = row["replayed_worst_range_us"]
+    assert 0 < low <= row["replayed_worst_us"] <= high
+    assert row["replayed_worst_share"] == row["replayed_worst_us"] / row["modelled_step_us"]
+    assert row["replayed_worst_kind"] in ("ordinary", "first launching", "launching", "landing", "round")
+    assert f"({100 * row['replayed_worst_share']:.2f}% replayed, " in completed.stdout
+
+
+def test_the_worst_step_replayed_is_the_most_of_each_steps_median() -> None:
+    bench = _bench_substrate()
+    kinds = ["ordinary", "first launching", "launching", "landing"]
+
+    def cycle(bookkeeping_us: list[float], step_kinds: list[str] = kinds):
+        return bench.Cycle(np.zeros((0, 4)), np.zeros((0, 4)), len(step_kinds), 1e-6 * np.array(bookkeeping_us), step_kinds)
+
+    # a slow spell in one replay (the 900 of the ordinary step) is left out; the launching step's own cost is not
+    worst_us, kind = bench.replayed_worst_us([cycle([900, 300, 250, 100]), cycle([60, 320, 240, 90]), cycle([55, 310, 500, 95])])
+    assert kind == "first launching" and worst_us == pytest.approx(310)
+    with pytest.raises(RuntimeError, match="diverged"):
+        bench.replayed_worst_us([cycle([1, 2, 3, 4]), cycle([1, 2, 3, 4], ["ordinary", "launching", "launching", "landing"])])
+
+
+@pytest.mark.parametrize(("argv", "message"), [(["--replays", "0"], "--replays must be > 0"),
+                                               (["--fit-budgets", "32,64", "--landing", "next-step"], "needs --landing same-step")])
+def test_bad_replays_or_a_fit_with_next_step_landing_are_one_line_usage_errors(argv: list[str], message: str) -> None:
+    completed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_substrate.py"), "--sizes", "4x1K", *argv],
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 2
+    assert message in completed.stderr and "Traceback" not in completed.stderr
