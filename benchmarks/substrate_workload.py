@@ -249,7 +249,7 @@ class EvictingRun:
         """Plan, check, launch and land, as the runtime does (`Runtime._reclaim`): the step's
         plans checked with `check_round` (I4: one `plans_pass` call; `check_plan` plan by plan
         only when it finds something), launched, and, with same-step landing (synchronous
-        copies), landed at once (`land_completed`); with next-step landing they land at the next
+        copies), landed at once (`land`); with next-step landing they land at the next
         step. A step that launched plans is logged in `round_steps`, with the seconds of each
         part, `evict_s` (the step's evictions before it) and, next-step, `land_s` (the landing
         of the plans of the step before, at this step's start, copies polled) as its landing."""
