@@ -140,7 +140,7 @@ class EvictRow:
     landing: str  # when launched plans land (substrate_workload.LANDINGS)
     max_moves_per_step: int | None
     num_steps: int  # measured steps of the median repetition (the round cadences: one cycle)
-    num_round_steps: int  # of them, steps the reclaimer planned in (a round started or went on)
+    num_round_steps: int  # of them, steps the reclaimer planned in (a round started or went on) or, next-step, landed in
     growth_us: float  # per step, all requests, median repetition; the four parts add up to the step
     evict_us: float
     reclaim_us: float
