@@ -394,9 +394,13 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     launching: list[list[RoundStep]] = []
     max_moved_per_step = 0
     replayed: list[tuple[float, str]] = []  # per repetition: its worst step replayed, and what it was
+    def repetition(seed: int) -> EvictingRun:  # a repetition's run, and each of its replays
+        run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=seed, clock=clock, landing=landing)
+        run.replan_first = replan_first  # its first launching step does the same work in every replay
+        return run
+
     for repeat_idx in range(num_repeats):
-        run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock, landing=landing)
-        run.replan_first = replan_first
+        run = repetition(repeat_idx)
         first_step_idx, num_rounds_before = run.step_idx, run.num_rounds
         run.round_steps.clear()  # from here on: the measured steps
         if cadence in ROUND_CADENCES:
@@ -421,8 +425,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
         if repeat_idx == 0:
             check_us = time_check_plan_us(run)
         if num_replays > 1 and cadence in ROUND_CADENCES:
-            replays = [cycle] + [time_cycle(warmed_run(num_requests, context_tokens, cadence, step_us, seed=repeat_idx, clock=clock,
-                                                       landing=landing)) for _ in range(num_replays - 1)]
+            replays = [cycle] + [time_cycle(repetition(repeat_idx)) for _ in range(num_replays - 1)]
             replayed.append(replayed_worst_us(replays))
     bookkeeping = [float(m[1] + m[2]) for m in means]
     median = int(np.argsort(bookkeeping)[len(bookkeeping) // 2])
