@@ -325,13 +325,15 @@ def time_check_plan_us(run: EvictingRun, num_plans: int = 20) -> float:
 class Cycle(NamedTuple):
     """A timed cycle (`time_cycle`): the parts of its timed ordinary steps and of its round's
     steps ([steps, 4] each), its length in steps, and per timed step in order its evict +
-    reclaim (seconds) and what it was (STEP_KINDS), the same in every replay of one seed."""
+    reclaim (seconds), what it was (STEP_KINDS) and the run's work after it (tokens moved by
+    landed plans, blocks freed by evictions, both so far): the same in every replay of one seed."""
 
     ordinary: np.ndarray
     in_round: np.ndarray
     num_steps: int
     bookkeeping_s: np.ndarray
     kinds: list[str]
+    work: list[tuple[int, int]]
 
 
 # what a timed step of a cycle was: a round's first step to launch plans, a later one, a round
@@ -353,7 +355,7 @@ def time_cycle(run: EvictingRun) -> Cycle:
     by a margin, no round is in progress and no plan in flight (untimed: what they cost is what
     the timed ordinary steps cost), then timed steps up to the end of the next round."""
     theta_f, first_step_idx = run.reclaimer.config.theta_f, run.step_idx
-    num_rounds, ordinary, in_round, bookkeeping, kinds = run.num_rounds, [], [], [], []
+    num_rounds, ordinary, in_round, bookkeeping, kinds, work = run.num_rounds, [], [], [], [], []
     while run.num_rounds == num_rounds:
         if (len(ordinary) >= ORDINARY_STEPS and not run.reclaimer.is_round_in_progress and not run.has_in_flight
                 and run.pool.waste_ratio() < theta_f - BULK_MARGIN_F):
@@ -366,8 +368,9 @@ def time_cycle(run: EvictingRun) -> Cycle:
         (in_round if run.is_round_step else ordinary).append(parts)
         bookkeeping.append(parts[1] + parts[2])
         kinds.append(step_kind(run, num_round_steps))
+        work.append((run.num_tokens_moved, run.num_blocks_freed_by_eviction))
     return Cycle(np.array(ordinary).reshape(-1, 4), np.array(in_round).reshape(-1, 4), run.step_idx - first_step_idx,
-                 np.array(bookkeeping), kinds)
+                 np.array(bookkeeping), kinds, work)
 
 
 def replayed_worst_us(cycles: list[Cycle]) -> tuple[float, str]:
@@ -375,7 +378,7 @@ def replayed_worst_us(cycles: list[Cycle]) -> tuple[float, str]:
     step): each timed step's median evict + reclaim over the replays, the most of them (us),
     and what that step was. A slow spell of the host that hits one replay's step is left out;
     what the step's own work costs, cold code and data included, is not."""
-    if any(cycle.kinds != cycles[0].kinds for cycle in cycles):
+    if any(cycle.kinds != cycles[0].kinds or cycle.work != cycles[0].work for cycle in cycles):
         raise RuntimeError("replays of one seed diverged: their steps differ")
     medians = np.median(np.array([cycle.bookkeeping_s for cycle in cycles]), axis=0)
     worst = int(np.argmax(medians))

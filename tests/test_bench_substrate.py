@@ -214,14 +214,17 @@ def test_the_worst_step_replayed_is_the_most_of_each_steps_median() -> None:
     bench = _bench_substrate()
     kinds = ["ordinary", "first launching", "launching", "landing"]
 
-    def cycle(bookkeeping_us: list[float], step_kinds: list[str] = kinds):
-        return bench.Cycle(np.zeros((0, 4)), np.zeros((0, 4)), len(step_kinds), 1e-6 * np.array(bookkeeping_us), step_kinds)
+    def cycle(bookkeeping_us: list[float], step_kinds: list[str] = kinds, moved: int = 414):
+        work = [(0, 3), (moved, 5), (2 * moved, 5), (2 * moved, 6)]  # tokens moved, blocks freed by evictions, so far
+        return bench.Cycle(np.zeros((0, 4)), np.zeros((0, 4)), len(step_kinds), 1e-6 * np.array(bookkeeping_us), step_kinds, work)
 
     # a slow spell in one replay (the 900 of the ordinary step) is left out; the launching step's own cost is not
     worst_us, kind = bench.replayed_worst_us([cycle([900, 300, 250, 100]), cycle([60, 320, 240, 90]), cycle([55, 310, 500, 95])])
     assert kind == "first launching" and worst_us == pytest.approx(310)
     with pytest.raises(RuntimeError, match="diverged"):
         bench.replayed_worst_us([cycle([1, 2, 3, 4]), cycle([1, 2, 3, 4], ["ordinary", "launching", "launching", "landing"])])
+    with pytest.raises(RuntimeError, match="diverged"):  # the same kinds of step, other moves
+        bench.replayed_worst_us([cycle([1, 2, 3, 4]), cycle([1, 2, 3, 4], moved=413)])
 
 
 @pytest.mark.parametrize(("argv", "message"), [(["--replays", "0"], "--replays must be > 0"),
