@@ -341,12 +341,14 @@ class Cycle(NamedTuple):
 STEP_KINDS = ("ordinary", "first launching", "launching", "landing", "round")
 
 
-def step_kind(run: EvictingRun, num_round_steps_before: int) -> str:
+def step_kind(run: EvictingRun, num_round_steps_before: int, had_in_flight: bool) -> str:
+    """What the step `run` just ran was, from its round steps' count and whether plans were in
+    flight before it (which it landed)."""
     if len(run.round_steps) > num_round_steps_before:
         return "first launching" if run.round_steps[-1].is_first else "launching"
     if not run.is_round_step:
         return "ordinary"
-    return "landing" if run.landed_last_step else "round"
+    return "landing" if had_in_flight else "round"
 
 
 def time_cycle(run: EvictingRun) -> Cycle:
@@ -363,11 +365,11 @@ def time_cycle(run: EvictingRun) -> Cycle:
             continue
         if run.step_idx - first_step_idx >= MAX_CYCLE_STEPS:
             raise RuntimeError(f"no reclamation round ended in {MAX_CYCLE_STEPS} steps (F = {run.pool.waste_ratio():.3f})")
-        num_round_steps = len(run.round_steps)
+        num_round_steps, had_in_flight = len(run.round_steps), run.has_in_flight
         parts = run.step(choose_victims(run.tables, run.rng, run.pattern))
         (in_round if run.is_round_step else ordinary).append(parts)
         bookkeeping.append(parts[1] + parts[2])
-        kinds.append(step_kind(run, num_round_steps))
+        kinds.append(step_kind(run, num_round_steps, had_in_flight))
         work.append((run.num_tokens_moved, run.num_blocks_freed_by_eviction))
     return Cycle(np.array(ordinary).reshape(-1, 4), np.array(in_round).reshape(-1, 4), run.step_idx - first_step_idx,
                  np.array(bookkeeping), kinds, work)
@@ -397,6 +399,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     launching: list[list[RoundStep]] = []
     max_moved_per_step = 0
     replayed: list[tuple[float, str]] = []  # per repetition: its worst step replayed, and what it was
+
     def repetition(seed: int) -> EvictingRun:  # a repetition's run, and each of its replays
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=seed, clock=clock, landing=landing)
         run.replan_first = replan_first  # its first launching step does the same work in every replay

@@ -221,7 +221,6 @@ class EvictingRun:
         # polls them before the next forward (Runtime.execute)
         self.landing = landing
         self.checked_at: dict[int, int] = {}  # a launched plan's table version at its check, by req_id
-        self.landed_last_step = False  # the last step landed plans launched before it (next-step)
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -316,7 +315,7 @@ class EvictingRun:
             grow_one(pool, table)
         pool.flush_deferred()  # the appends' live counts, as the runtime's per-step memory sample makes them
         grown = clock()
-        has_landing = self.landing == "next-step" and self.has_in_flight
+        has_landing = self.has_in_flight  # next-step only: a same-step step lands what it launches
         if has_landing:
             self.land(self.engine.poll_completed())
         landed = clock()
@@ -326,7 +325,6 @@ class EvictingRun:
         if self.is_round_step:
             self.reclaim(evicted - landed, landed - grown)
         self.is_round_step |= has_landing
-        self.landed_last_step = has_landing
         reclaimed = clock()
         for table in self.tables:
             table.slots()

@@ -175,7 +175,6 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str, lan
             round_launched = True
         # same-step: a step's plans land in it; next-step: at the next step, which lands them first
         assert run.has_in_flight == (landing == "next-step" and bool(launching))
-        assert run.landed_last_step == (landing == "next-step" and in_flight)
         if landing == "next-step" and not in_flight:  # nothing landed: no token of any table moved
             for table, slots in zip(run.tables, slots_before):
                 ids = table.live_token_ids()
@@ -206,7 +205,7 @@ def test_a_run_with_next_step_landing_and_replays_reports_its_worst_step_replaye
     low, high = row["replayed_worst_range_us"]
     assert 0 < low <= row["replayed_worst_us"] <= high
     assert row["replayed_worst_share"] == row["replayed_worst_us"] / row["modelled_step_us"]
-    assert row["replayed_worst_kind"] in ("ordinary", "first launching", "launching", "landing", "round")
+    assert row["replayed_worst_kind"] in _bench_substrate().STEP_KINDS
     assert f"({100 * row['replayed_worst_share']:.2f}% replayed, " in completed.stdout
 
 
@@ -234,3 +233,19 @@ def test_bad_replays_or_a_fit_with_next_step_landing_are_one_line_usage_errors(a
                                capture_output=True, text=True, timeout=120, check=False)
     assert completed.returncode == 2
     assert message in completed.stderr and "Traceback" not in completed.stderr
+
+
+@pytest.mark.parametrize("landing", ["same-step", "next-step"])
+def test_a_cycle_names_its_steps_and_only_next_step_landing_has_a_step_that_only_lands(landing: str) -> None:
+    """A round's last launch lands at the next step with next-step landing, a step that launches
+    nothing: the cycle names it; with same-step landing no such step exists."""
+    bench = _bench_substrate()
+    run = bench.warmed_run(8, 2048, "paced", 10_000.0, seed=1, clock=bench.time.process_time, landing=landing)
+    run.round_steps.clear()
+    cycle = bench.time_cycle(run)
+    assert len(cycle.kinds) == len(cycle.work) == cycle.bookkeeping_s.size == len(cycle.ordinary) + len(cycle.in_round)
+    assert set(cycle.kinds) <= set(bench.STEP_KINDS) and cycle.kinds.count("first launching") == 1
+    assert ("landing" in cycle.kinds) == (landing == "next-step")
+    # the run's work after each step only grows, and the cycle moved tokens
+    work = np.array(cycle.work)
+    assert (np.diff(work, axis=0) >= 0).all() and work[-1, 0] > work[0, 0]
