@@ -292,7 +292,7 @@ class EvictingRun:
         moves, move_of, _, _ = end_to_end(completed)
         TokenTable.apply_moves_each(tables, [plan.moves for plan in completed],
                                     [self.checked_at.pop(plan.req_id) for plan in completed], (moves, move_of))
-        self.pool.free(TokenTable.release_empty_blocks_each(tables))
+        TokenTable.release_empty_blocks_each(tables, free=True)
         self.num_tokens_moved += sum(plan.num_tokens_moved for plan in completed)
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
 

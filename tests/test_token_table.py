@@ -570,6 +570,59 @@ def test_release_empty_blocks_each_is_release_empty_blocks_of_each_table_in_turn
         assert one.layout_version == other.layout_version
 
 
+def four_tables_that_lost_blocks_in_flight(shared_block: bool) -> list[TokenTable]:
+    """The layouts above; with `shared_block`, one of the emptied blocks (block 3) has a second
+    reference, as a block another holder still reads: released, but not freed."""
+    first, second = two_holey_tables()
+    third = make_table(first.pool, 5, req_id=2)
+    first.evict_tokens(np.array([4, 5, 6, 7]))  # block 1
+    second.evict_tokens(np.array([0, 1, 8, 9, 10, 11]))  # blocks 3 and 5, the tail
+    if shared_block:
+        first.pool.share(np.array([3]))
+    return [first, TokenTable(3, first.pool), second, third]
+
+
+def pool_state(pool: BlockPool) -> tuple:
+    return (pool.ref_counts.copy(), pool.live_counts.copy(), pool.token_at.copy(), pool.peek_free(pool.num_free_blocks),
+            pool.utilization_histogram(), pool.num_blocks_le_half, pool.num_live_tokens)
+
+
+@pytest.mark.parametrize("shared_block", [False, True])
+def test_release_empty_blocks_each_with_free_is_release_then_free(shared_block: bool) -> None:
+    """A landing's release and free in one pass: the tables and the pool (ref counts, the free
+    list in the order it hands blocks out, the histogram) as after the release and then
+    `BlockPool.free` of what it released."""
+    by_two_calls, by_one = four_tables_that_lost_blocks_in_flight(shared_block), four_tables_that_lost_blocks_in_flight(shared_block)
+    released = TokenTable.release_empty_blocks_each(by_two_calls)
+    by_two_calls[0].pool.free(released)
+    assert TokenTable.release_empty_blocks_each(by_one, free=True).tolist() == released.tolist() == [1, 3, 5]
+    for one, other in zip(by_two_calls, by_one):
+        assert_unchanged(state(one), other)
+        assert one.layout_version == other.layout_version
+    for a, b in zip(pool_state(by_two_calls[0].pool), pool_state(by_one[0].pool), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert by_one[0].pool.ref_counts[3] == (1 if shared_block else 0)
+
+
+@pytest.mark.parametrize("fault", ["double free", "repeated"])
+def test_release_empty_blocks_each_with_free_refuses_changing_nothing(fault: str) -> None:
+    """A block without a reference among those to free, or one named twice (a table given
+    twice): the pool's refusal, raised before a table or the pool changes."""
+    tables = four_tables_that_lost_blocks_in_flight(False)
+    pool = tables[0].pool
+    if fault == "double free":
+        pool.ref_counts[5] = 0  # as if freed already
+    else:
+        tables = [tables[0], tables[0]]
+    before, before_pool = [state(table) for table in tables], pool_state(pool)
+    with pytest.raises(VTokenError, match="double free of blocks \\[5\\]" if fault == "double free" else "repeated block ids \\[1\\]"):
+        TokenTable.release_empty_blocks_each(tables, free=True)
+    for table, table_before in zip(tables, before):
+        assert_unchanged(table_before, table)
+    for a, b in zip(before_pool, pool_state(pool), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @settings(max_examples=60, deadline=None)
 @given(num_prefix_blocks=st.integers(0, 2), num_tokens=st.integers(1, 40), data=st.data())
 def test_release_empty_blocks_is_release_blocks_of_every_empty_block_past_the_prefix(num_prefix_blocks: int, num_tokens: int,

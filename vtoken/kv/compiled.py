@@ -169,6 +169,55 @@ def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
 
 
 @njit
+def release_empty_blocks(held, sizes, live_counts, ref_counts, free):
+    """The blocks without a live token among tables' held blocks, held[...] end to end, sizes[k]
+    of table k (TokenTable.release_empty_blocks_each): returns the others, in order (what the
+    tables keep), those, table by table in order, and how many of each table's they are; with
+    `free`, one reference less on each, as BlockPool.free drops it, and, ascending, the ones
+    left without a reference (for the pool's free list). Then a fifth and a sixth: 0 and -1,
+    or, having written nothing, a reason and the block it names: 1 a block outside the pool,
+    2 (with `free`) a block without a reference, 3 (with `free`) a block named twice."""
+    num_tables = sizes.size
+    kept = np.empty(held.size, np.int64)
+    released = np.empty(held.size, np.int64)
+    num_released = np.zeros(num_tables, np.int64)
+    no_blocks = np.empty(0, np.int64)
+    i = _first_outside(held, live_counts.size)
+    if i >= 0:
+        return kept[:0], released[:0], num_released, no_blocks, 1, held[i]
+    num_kept, num_empty, position = 0, 0, 0
+    for k in range(num_tables):
+        for i in range(position, position + sizes[k]):
+            b = held[i]
+            if live_counts[b] == 0:
+                released[num_empty] = b
+                num_empty += 1
+                num_released[k] += 1
+            else:
+                kept[num_kept] = b
+                num_kept += 1
+        position += sizes[k]
+    released = released[:num_empty]
+    if not free or num_empty == 0:
+        return kept[:num_kept], released, num_released, no_blocks, 0, -1
+    ordered = np.sort(released)
+    for i in range(num_empty):
+        if ref_counts[ordered[i]] <= 0:
+            return kept[:0], released[:0], num_released, no_blocks, 2, ordered[i]
+        if i and ordered[i] == ordered[i - 1]:
+            return kept[:0], released[:0], num_released, no_blocks, 3, ordered[i]
+    freed = np.empty(num_empty, np.int64)
+    num_freed = 0
+    for i in range(num_empty):
+        b = ordered[i]
+        ref_counts[b] -= 1
+        if ref_counts[b] == 0:
+            freed[num_freed] = b
+            num_freed += 1
+    return kept[:num_kept], released, num_released, freed[:num_freed], 0, -1
+
+
+@njit
 def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects, delta, seen):
     """Add deltas[i] live tokens to block_ids[i], or deltas[0] to every one when `deltas` has
     one entry (ids may repeat: their deltas add up; an eviction gives -1 per token, landed moves -1 at their sources and +1 at their

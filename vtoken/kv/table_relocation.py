@@ -155,31 +155,31 @@ class RelocationVerbs:
         return self.release_empty_blocks_each([self])
 
     @staticmethod
-    def release_empty_blocks_each(tables: Sequence[TokenTable]) -> np.ndarray:
+    def release_empty_blocks_each(tables: Sequence[TokenTable], free: bool = False) -> np.ndarray:
         """`release_empty_blocks` of every table (distinct tables of one pool, as the plans of a
         round that landed together): every table's blocks past its pinned prefix read against
-        the pool's live counts at once, and each table that lost some keeps the rest with one
-        write. Returns the blocks released, table by table in held order, for the caller to free."""
+        the pool's live counts in one compiled pass (`BlockPool.release_empty`), and each table
+        that lost some keeps the rest with one write. Returns the blocks released, table by
+        table in held order, for the caller to free; with `free`, the pool has freed them in
+        that pass (what a landing does, `BlockPool.free` of them after this call, at once)."""
         if not tables:
             return NO_BLOCKS
         pool = tables[0].pool
         starts = [table.num_pinned_tokens // table.block_size for table in tables]
-        helds = [table._held[start : table._num_held] for table, start in zip(tables, starts)]
-        held = np.concatenate(helds)
-        is_empty = pool.live_counts[held] == 0  # counts the pending appends first
-        if not is_empty.any():
+        sizes = [table._num_held - start for table, start in zip(tables, starts)]
+        held = np.concatenate([table._held[start : table._num_held] for table, start in zip(tables, starts)])
+        kept, released, num_released = pool.release_empty(held, np.array(sizes, dtype=np.int64), free)
+        if not released.size:
             return NO_BLOCKS
-        sizes = [table_held.size for table_held in helds]
-        num_empty = np.bincount(np.repeat(np.arange(len(tables)), sizes)[is_empty], minlength=len(tables)).tolist()
-        kept = held[~is_empty]
         first_kept, end = 0, 0
-        for table, start, size, num_dropped in zip(tables, starts, sizes, num_empty):
+        for table, start, size, num_dropped in zip(tables, starts, sizes, num_released.tolist()):
             num_kept = size - num_dropped
             end += size
             if num_dropped:  # a table without blocks has size 0 and drops nothing
-                table._keep_held(start, kept[first_kept : first_kept + num_kept], bool(is_empty[end - 1]))
+                is_tail_dropped = num_kept == 0 or kept.item(first_kept + num_kept - 1) != held.item(end - 1)
+                table._keep_held(start, kept[first_kept : first_kept + num_kept], is_tail_dropped)
             first_kept += num_kept
-        return held[is_empty]
+        return released
 
     def _drop_held(self, start: int, is_dropped: np.ndarray) -> None:
         """Forget the held blocks from position `start` on that `is_dropped` marks (one entry
