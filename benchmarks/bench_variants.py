@@ -32,7 +32,7 @@ uncompacted blocks, made only where the request can hold more); a reclamation ro
 schedule's pressure packing and the layout trigger call too), is planning (`plans`), the
 round's I4 check (`plans_pass`) and, the copies done, landing the moves and freeing the sources
 (`landing`); inside those, the round step's compiled loops (kv/compiled.py), each one call a
-step: planning's `movable_blocks` and `hole_fill_plans`, the check's `round_passes` and the
+step: planning's `hole_fill_round` (the movable blocks, the order and the plans), the check's `round_passes` and the
 landing's `land_moves` (what is left of each phase is Python and numpy calls). Every variant counts a step's appends in the pool at the pool's first read after
 them, in one batch (`appends`, `BlockPool.flush_deferred`). The timers wrap the functions,
 about a microsecond a call, and nest, so this replay is not one of the rounds.
@@ -76,8 +76,7 @@ PHASES = (
     ("count", TokenTable, "num_uncompacted_blocks"),
     ("_reclaim", Runtime, "_reclaim"),
     ("plans", Reclaimer, "_plans"),
-    ("movable_blocks", compiled, "movable_blocks"),
-    ("hole_fill_plans", compiled, "hole_fill_plans"),
+    ("hole_fill_round", compiled, "hole_fill_round"),
     ("plans_pass", invariants, "plans_pass"),
     ("round_passes", compiled, "round_passes"),
     ("landing", Runtime, "_complete"),

@@ -40,7 +40,7 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
     for phase in ("_reclaim", "plans", "plans_pass"):
         assert ("naive-evict", phase) not in phases and phases[("vtoken", phase)] > 0
     # the round step's compiled loops: planning's, then one check and one landing of what it planned
-    for phase in ("movable_blocks", "hole_fill_plans", "round_passes", "land_moves"):
+    for phase in ("hole_fill_round", "round_passes", "land_moves"):
         assert ("naive-evict", phase) not in phases and phases[("vtoken", phase)] > 0
     assert phases[("vtoken", "land_moves")] <= phases[("vtoken", "round_passes")] <= phases[("vtoken", "plans_pass")]
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.compiled import change_live_counts, hole_fill_plans, land_moves, movable_blocks
+from vtoken.kv.compiled import change_live_counts, hole_fill_plans, hole_fill_round, land_moves, movable_blocks
 
 S = 4
 # one request: its blocks' slots, each a live token (True) or a hole (False)
@@ -75,8 +75,11 @@ def test_hole_fill_plans_are_the_rules_plans(blocks_of, seed, max_src_blocks, da
         block_ids, sizes, np.ones(live_counts.size, np.int32), live_counts, S)
     assert ids.tolist() == block_ids.tolist() and counts.tolist() == live_counts[block_ids].tolist()
     order = np.array(data.draw(st.permutations(range(len(blocks_of)))), dtype=np.int64)
-    plan_requests, move_ends, source_ends, tokens, src_b, src_o, dst_b, dst_o, sources, move_of, source_of = (
-        hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S, max_src_blocks))
+    plan_rows, move_rows, source_rows = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S,
+                                                        max_src_blocks)
+    plan_requests, move_ends, source_ends = plan_rows
+    tokens, src_b, src_o, dst_b, dst_o, move_of = move_rows
+    sources, source_of = source_rows
     num_src, num_moves = np.zeros(len(blocks_of), np.int64), np.zeros(len(blocks_of), np.int64)
     num_src[plan_requests] = np.diff(source_ends, prepend=0)
     num_moves[plan_requests] = np.diff(move_ends, prepend=0)
@@ -99,6 +102,28 @@ def test_hole_fill_plans_are_the_rules_plans(blocks_of, seed, max_src_blocks, da
             num_plans += 1
         first_move, first_src = got.stop, got_sources.stop
     assert first_move == tokens.size == move_of.size and first_src == sources.size == source_of.size
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks_of=requests, seed=st.integers(0, 2**16), max_src_blocks=st.integers(2, 6), shared=st.sets(st.integers(0, 39)),
+       data=st.data())
+def test_hole_fill_round_is_movable_blocks_then_the_plans_most_reclaimable_first(blocks_of, seed, max_src_blocks, shared,
+                                                                                  data) -> None:
+    """The round's one call: the rows hole_fill_plans gives over movable_blocks' blocks in the
+    order most reclaimable first, ties by req_id (req ids drawn apart from the requests' order,
+    some blocks shared)."""
+    block_ids, token_at, live_counts, bounds = layout(blocks_of, seed)
+    sizes = bounds[:, 1] - bounds[:, 0]
+    ref_counts = np.ones(live_counts.size, np.int32)
+    ref_counts[[b for b in shared if b < ref_counts.size]] = 2
+    req_ids = np.array(data.draw(st.lists(st.integers(0, 50), min_size=len(blocks_of), max_size=len(blocks_of), unique=True)),
+                       dtype=np.int64)
+    ids, counts, starts, ends, _, num_reclaimable = movable_blocks(block_ids, sizes, ref_counts, live_counts, S)
+    order = np.array(sorted(range(len(blocks_of)), key=lambda k: (-num_reclaimable[k], req_ids[k])), dtype=np.int64)
+    want = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S, max_src_blocks)
+    got = hole_fill_round(block_ids, sizes, req_ids, ref_counts, live_counts, token_at, S, max_src_blocks)
+    for got_rows, want_rows in zip(got, want, strict=True):
+        assert got_rows.tolist() == want_rows.tolist()
 
 
 @settings(max_examples=100, deadline=None)

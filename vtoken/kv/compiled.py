@@ -34,9 +34,12 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order
     live tokens, in logical order, fill the kept blocks' first holes in block order).
 
     Returns, plan after plan (the requests with a plan, in `order`, a permutation of the
-    requests): the request of each and where its moves and its sources end (cumulative
-    counts), then the moves end to end (token ids, source block and offset, destination block
-    and offset) and the sources, ascending, each with its plan's place (0 for the first plan).
+    requests), three arrays of rows (one array returned where each row was one: a call's cost
+    grows with the arrays it returns): [3, plans], the request of each plan and where its moves
+    and its sources end (cumulative counts); [6, moves], the moves end to end (token ids,
+    source block and offset, destination block and offset) and each one's plan's place (0 for
+    the first plan); [2, sources], the sources, ascending within a plan, and each one's plan's
+    place.
     """
     num_requests = starts.size
     num_src = np.zeros(num_requests, np.int64)
@@ -59,18 +62,13 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order
             num_src[k] = n - i
             num_moves[k] = live_from
     total_moves, total_src = num_moves.sum(), num_src.sum()
-    token_ids = np.empty(total_moves, np.int64)
-    src_blocks = np.empty(total_moves, np.int64)
-    src_offsets = np.empty(total_moves, np.int64)
-    dst_blocks = np.empty(total_moves, np.int64)
-    dst_offsets = np.empty(total_moves, np.int64)
-    sources = np.empty(total_src, np.int64)
-    move_of = np.empty(total_moves, np.int64)
-    source_of = np.empty(total_src, np.int64)
-    num_plans = np.count_nonzero(num_src)
-    plan_requests = np.empty(num_plans, np.int64)
-    move_ends = np.empty(num_plans, np.int64)
-    source_ends = np.empty(num_plans, np.int64)
+    move_rows = np.empty((6, total_moves), np.int64)
+    token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, move_of = (
+        move_rows[0], move_rows[1], move_rows[2], move_rows[3], move_rows[4], move_rows[5])
+    source_rows = np.empty((2, total_src), np.int64)
+    sources, source_of = source_rows[0], source_rows[1]
+    plan_rows = np.empty((3, np.count_nonzero(num_src)), np.int64)
+    plan_requests, move_ends, source_ends = plan_rows[0], plan_rows[1], plan_rows[2]
     first_move, first_src, plan = 0, 0, 0
     for k in order:
         m, num = num_src[k], num_moves[k]
@@ -116,8 +114,19 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order
         if last != stop:
             raise ValueError("the kept blocks hold fewer holes than the pool counts")
         first_move, first_src = stop, first_src + m
-    return (plan_requests, move_ends, source_ends, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources,
-            move_of, source_of)
+    return plan_rows, move_rows, source_rows
+
+
+@njit
+def hole_fill_round(held, sizes, req_ids, ref_counts, live_counts, token_at, block_size, max_src_blocks):
+    """A lazy round's hole-fill plans in one call (Reclaimer's hole-fill round): the movable
+    blocks of requests whose candidate blocks are held[...] end to end, sizes[k] of request k
+    (movable_blocks), the requests ordered most reclaimable blocks first, ties by req_id, and
+    their plans in that order (hole_fill_plans, whose rows it returns)."""
+    block_ids, counts, starts, ends, _, num_reclaimable = movable_blocks(held, sizes, ref_counts, live_counts, block_size)
+    by_req_id = np.argsort(req_ids, kind="mergesort")
+    order = by_req_id[np.argsort(-num_reclaimable[by_req_id], kind="mergesort")]  # stable: ties keep req_id order
+    return hole_fill_plans(block_ids, counts, starts, ends, num_reclaimable, order, token_at, block_size, max_src_blocks)
 
 
 @njit

@@ -5,7 +5,7 @@ hole-fill (default, fewest moves): live tokens of the request's *last* blocks mo
 holes of its earlier blocks; the emptied blocks are freed. No destination blocks are needed.
 Valid because cached keys already carry their rotary position and attention does not depend on
 the order of keys. `plan_hole_fill_each` plans many requests with one pass over all their
-blocks: a lazy round's way.
+blocks; `plan_hole_fill_round` orders them and plans them in one call: a lazy round's way.
 
     before:  [L . L L][L L . .][. L . L][L L L . tail]
     after:   [L L L L][L L L .][. . . .][L L L . tail]   the third block freed, 2 moves
@@ -89,21 +89,45 @@ def plan_hole_fill_each(movables: Movables, max_src_blocks: int,
     tables = movables.tables
     if order is None:
         order = np.arange(len(tables))
-    (plan_requests, move_ends, source_ends, token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, sources, move_of,
-     source_of) = compiled_loops().hole_fill_plans(movables.block_ids, movables.live_counts, movables.starts, movables.ends,
-                                                   movables.num_reclaimable, order, tables[0].pool.token_at,
-                                                   tables[0].block_size, max_src_blocks)
-    move_ends, source_ends = move_ends.tolist(), source_ends.tolist()
+    rows = compiled_loops().hole_fill_plans(movables.block_ids, movables.live_counts, movables.starts, movables.ends,
+                                            movables.num_reclaimable, order, tables[0].pool.token_at,
+                                            tables[0].block_size, max_src_blocks)
+    plans: list[RelocationPlan | None] = [None] * len(tables)
+    for k, plan in zip(rows[0][0].tolist(), _batch_of(tables, *rows)):
+        plans[k] = plan
+    return plans
+
+
+def plan_hole_fill_round(tables: list[TokenTable], max_src_blocks: int) -> list[RelocationPlan]:
+    """The hole-fill plans of `tables` (requests with a reclaimable block by the bound), most
+    reclaimable blocks first, ties by req_id: what `plan_hole_fill_each` gives over
+    `Movables.of(tables)` in that order, with the requests that have none left out, in one
+    compiled call that finds the movable blocks, orders the requests and plans them
+    (compiled.hole_fill_round): a lazy round step's planning."""
+    pool = tables[0].pool
+    held, sizes = TokenTable.candidate_blocks_each(tables)
+    req_ids = np.fromiter([table.req_id for table in tables], np.int64, len(tables))
+    rows = compiled_loops().hole_fill_round(held, sizes, req_ids, pool.ref_counts, pool.live_counts, pool.token_at,
+                                            pool.block_size, max_src_blocks)
+    return _batch_of(tables, *rows)
+
+
+def _batch_of(tables: list[TokenTable], plan_rows: np.ndarray, move_rows: np.ndarray,
+              source_rows: np.ndarray) -> list[RelocationPlan]:
+    """The plans of compiled.hole_fill_plans' rows, in their order, as views of one `PlanBatch`."""
+    plan_requests, move_ends, source_ends = plan_rows.tolist()
+    token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, move_of = move_rows
+    sources, source_of = source_rows
     batch = PlanBatch(Moves(token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets), move_of, sources, source_of,
                       move_ends, source_ends, [], [])
-    plans: list[RelocationPlan | None] = [None] * len(tables)
+    plans = []
     first_move = first_src = 0
-    for k, move_end, source_end in zip(plan_requests.tolist(), move_ends, source_ends):
+    for k, move_end, source_end in zip(plan_requests, move_ends, source_ends):
         table = tables[k]
         a, b = first_move, move_end
         moves = Moves(token_ids[a:b], src_blocks[a:b], src_offsets[a:b], dst_blocks[a:b], dst_offsets[a:b])
         plan_sources = sources[first_src:source_end]
-        plans[k] = RelocationPlan(table.req_id, "hole-fill", moves, plan_sources, NO_BLOCKS, table.layout_version, batch)
+        plans.append(RelocationPlan(table.req_id, "hole-fill", moves, plan_sources, NO_BLOCKS, table.layout_version, batch))
         batch.plan_moves.append(moves)
         batch.plan_sources.append(plan_sources)
         first_move, first_src = move_end, source_end

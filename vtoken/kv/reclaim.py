@@ -36,7 +36,7 @@ from vtoken import defaults
 from vtoken.errors import ConfigError
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.moves import RelocationPlan
-from vtoken.kv.planning import Movables, plan_hole_fill, plan_hole_fill_each, plan_ordered
+from vtoken.kv.planning import Movables, plan_hole_fill, plan_hole_fill_round, plan_ordered
 from vtoken.kv.token_table import TokenTable
 
 RECLAIM_MODES = ("hole-fill", "ordered")
@@ -221,25 +221,18 @@ class Reclaimer:
 
 
     def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> list[RelocationPlan]:
-        """Every hole-fill plan over `tables` at once (`plan_hole_fill_each`, a fixed number of
-        numpy calls for them all), most reclaimable first, ties by req_id. The order and the
-        plans are `most_reclaimable_first`'s and `plan_hole_fill`'s: hole-fill plans are
-        independent of each other, so planning them all in that order gives what planning them
-        one by one gives. Their arrays lie end to end in that order (moves.PlanBatch), so the
-        first plans, which a step launches, are checked and landed with no concatenation.
-        Planning under pressure, which stops after the first few, plans one request at a time
-        instead: planning every request to keep one costs more than it saves."""
+        """Every hole-fill plan over `tables` at once (`plan_hole_fill_round`, one compiled call
+        for them all), most reclaimable first, ties by req_id. The order and the plans are
+        `most_reclaimable_first`'s and `plan_hole_fill`'s: hole-fill plans are independent of
+        each other, so planning them all in that order gives what planning them one by one
+        gives. Their arrays lie end to end in that order (moves.PlanBatch), so the first plans,
+        which a step launches, are checked and landed with no concatenation. Planning under
+        pressure, which stops after the first few, plans one request at a time instead:
+        planning every request to keep one costs more than it saves."""
         candidates = [table for table in tables if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
         if not candidates:
             return []
-        movables = Movables.of(candidates)
-        if len(candidates) > 1:  # most reclaimable first, ties by req_id
-            req_ids = np.fromiter([table.req_id for table in candidates], np.int64, len(candidates))
-            order = np.lexsort((req_ids, -movables.num_reclaimable))
-        else:
-            order = np.zeros(1, dtype=np.int64)
-        plans = plan_hole_fill_each(movables, self.config.max_src_blocks, order)
-        return [plan for k in order.tolist() if (plan := plans[k]) is not None]
+        return plan_hole_fill_round(candidates, self.config.max_src_blocks)
 
 
 def most_reclaimable_first(tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> Iterator[tuple[TokenTable, Movables]]:
