@@ -279,16 +279,18 @@ def test_add_live_is_adjust_live_for_one_block() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(num_lost=st.lists(st.integers(0, 4), min_size=40, max_size=40), seed=st.integers(0, 2**16))
-def test_remove_live_tokens_in_is_remove_live_token_of_each_and_names_the_emptied_blocks(num_lost: list[int], seed: int) -> None:
-    """A batch eviction's pool update: block b loses num_lost[b] of its live tokens, in any
-    order (the compiled loop of kv/compiled.py against the scalar verb)."""
+def test_one_token_less_in_each_block_named_is_remove_live_token_of_each_and_names_the_emptied_blocks(num_lost: list[int],
+                                                                                                      seed: int) -> None:
+    """`adjust_live` with one delta for every block named (-1: a token lost, as the
+    substrate's batch evictions count them): block b loses num_lost[b] of its live tokens, in
+    any order (the compiled loop of kv/compiled.py against the scalar verb)."""
     batch, each = BlockPool(40, 4), BlockPool(40, 4)
     block_ids = np.random.default_rng(seed).permutation(np.repeat(np.arange(40), num_lost))
     live = np.random.default_rng(seed + 1).integers(np.array(num_lost), 5)  # at least what each block loses
     for pool in (batch, each):
         pool.allocate(40)
         pool.adjust_live(np.arange(40), live)
-    emptied = batch.remove_live_tokens_in(block_ids)
+    emptied = batch.adjust_live(block_ids, np.array([-1], dtype=np.int64))
     for block_id in block_ids.tolist():
         each.remove_live_token(block_id)
     assert_same(snapshot(each), snapshot(batch))
@@ -301,13 +303,13 @@ def test_remove_live_tokens_in_is_remove_live_token_of_each_and_names_the_emptie
     ([3, -1], r"out of range \[0, 40\): \[-1\]"),
     ([3, 5, 5, 5], r"live count of blocks \[5\] would leave \[0, 4\]"),  # block 5 holds 2
 ])
-def test_remove_live_tokens_in_refuses_what_no_table_holds_and_changes_nothing(block_ids, message) -> None:
+def test_one_token_less_refuses_what_no_table_holds_and_changes_nothing(block_ids, message) -> None:
     pool = BlockPool(40, 4)
     pool.allocate(40)
     pool.adjust_live(np.arange(40), np.full(40, 2))
     before = snapshot(pool)
     with pytest.raises(VTokenError, match=message):
-        pool.remove_live_tokens_in(np.array(block_ids, dtype=np.int64))
+        pool.adjust_live(np.array(block_ids, dtype=np.int64), np.array([-1], dtype=np.int64))
     assert_same(before, snapshot(pool))
 
 # ---- metrics -----------------------------------------------------------------------------

@@ -206,17 +206,20 @@ def test_change_live_counts_refuses_a_block_outside_the_pool_or_free_and_writes_
 def landing(num_blocks: int = 4) -> dict:
     """A pool of `num_blocks` blocks of S slots, all allocated: block 0 holds tokens 5 and 6 of
     table 0 (6 evicted while its copy was in flight: no longer in the reverse map), block 1 token
-    7 of table 1 (evicted too), blocks 2 and 3 hold nothing yet; the arena's entries 0-2 are
-    tokens 5, 6 and 7."""
+    7 of table 1 (evicted too), blocks 2 and 3 hold nothing yet; in the arena, table 0's entries
+    start at 0 and table 1's at 1: tokens 5, 6 and 7 are entries 5, 6 and 8."""
     token_at = np.full(num_blocks * S, -1, np.int64)
     token_at[0] = 5
+    arena_live, arena_slot = np.zeros(9, bool), np.full(9, -1, np.int64)
+    arena_live[5] = True
+    arena_slot[[5, 6, 8]] = [0, 1, 4]
     return {"token_at": token_at, "live": np.array([1, 0, 0, 0], np.int32), "refs": np.ones(num_blocks, np.int32),
-            "arena_live": np.array([True, False, False]), "arena_slot": np.array([0, 1, 4], np.int64)}
+            "arena_live": arena_live, "arena_slot": arena_slot}
 
 
 def land(state: dict, dst_blocks: list[int]) -> tuple:
     """Tokens 5, 6 (table 0) and 7 (table 1) moved from slots 0, 1 and 4 into offset 0, 1, 2 of `dst_blocks`."""
-    return land_moves(np.array([5, 6, 7], np.int64), np.array([0, 0, 1], np.int64), 2, np.arange(3, dtype=np.int64),
+    return land_moves(np.array([5, 6, 7], np.int64), np.array([0, 0, 1], np.int64), 2, np.array([0, 1], np.int64),
                       np.array([0, 0, 1], np.int64), np.array([0, 1, 0], np.int64), np.array(dst_blocks, np.int64),
                       np.array([0, 1, 2], np.int64), state["arena_live"], state["arena_slot"], state["token_at"], S,
                       state["live"], state["refs"], effects(S), np.zeros(4, np.int64), np.zeros(4, bool))
@@ -231,7 +234,8 @@ def test_land_moves_counts_and_maps_the_live_tokens_and_repoints_every_moved_one
     expected = np.full(4 * S, -1, np.int64)
     expected[2 * S] = 5  # the evicted tokens take no entry in the reverse map
     assert state["token_at"].tolist() == expected.tolist()
-    assert state["arena_slot"].tolist() == [2 * S, 2 * S + 1, 3 * S + 2]  # every moved token's slot
+    assert state["arena_slot"][[5, 6, 8]].tolist() == [2 * S, 2 * S + 1, 3 * S + 2]  # every moved token's slot
+    assert (np.delete(state["arena_slot"], [5, 6, 8]) == -1).all()  # and no other entry
 
 
 def test_land_moves_refuses_a_free_destination_and_writes_nothing() -> None:

@@ -318,6 +318,47 @@ def test_evict_one_each_of_a_bad_id_raises_and_changes_no_table(victims: list[in
     assert_unchanged(before[1], second)
 
 
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(2, 30), min_size=1, max_size=6), data=st.data())
+def test_evict_one_each_is_evict_tokens_of_each_table_in_turn(lengths: list[int], data: st.DataObject) -> None:
+    """On tables with holes already and appends not yet counted, one live victim each: the
+    tables, the pool and the emptied blocks as one `evict_tokens` per table gives."""
+    def tables_of(pool: BlockPool) -> list[TokenTable]:
+        tables = [make_table(pool, n, req_id) for req_id, n in enumerate(lengths)]
+        for table, dead in zip(tables, holes):
+            if dead:
+                table.evict_tokens(np.array(dead, dtype=np.int64))
+            grow(table, 1)  # an append not yet counted
+        return tables
+    holes = [data.draw(st.lists(st.integers(0, n - 2), unique=True, max_size=n // 2)) for n in lengths]
+    victims = [data.draw(st.sampled_from([t for t in range(n + 1) if t not in dead])) for n, dead in zip(lengths, holes)]
+    batched_pool, single_pool = make_pool(64), make_pool(64)
+    batched, single = tables_of(batched_pool), tables_of(single_pool)
+    want = []
+    for table, token_id in zip(single, victims):
+        emptied = table.evict_tokens(np.array([token_id]))
+        want.append(int(emptied[0]) if emptied.size else -1)
+    assert TokenTable.evict_one_each(batched, np.array(victims)).tolist() == want
+    for got, expected in zip(batched, single):
+        np.testing.assert_equal(state(got), state(expected))
+        assert got.layout_version == expected.layout_version
+    assert batched_pool.token_at.tolist() == single_pool.token_at.tolist()
+
+
+def test_evict_one_each_refused_by_the_pool_changes_nothing() -> None:
+    """A block the pool holds free under a table (state a caller corrupted): the pool's refusal,
+    raised before a live bit, a slot or a table's counter changes."""
+    pool = make_pool()
+    first, second = make_table(pool, 10, 0), make_table(pool, 10, 1)
+    block_id = int(second.token_block_ids[5])
+    pool.ref_counts[block_id] = 0
+    before = [state(first), state(second)]
+    with pytest.raises(VTokenError, match=f"live-count change on free blocks \\[{block_id}\\]"):
+        TokenTable.evict_one_each([first, second], np.array([3, 5]))
+    assert_unchanged(before[0], first)
+    assert_unchanged(before[1], second)
+
+
 def test_evict_one_each_refuses_a_table_given_twice() -> None:
     pool = make_pool()
     table = make_table(pool, 10)

@@ -213,22 +213,22 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
         if (plan.layout_version != table.layout_version or plan.src_block_ids.size <= plan.dst_new_block_ids.size
                 or table.pool is not pool):
             return False
-    held_blocks, holder_of, pinned, open_tails = TokenTable.held_blocks_each(tables)
+    held_blocks, held_ends, pinned, open_tails = TokenTable.held_blocks_each(tables)
     moves, move_of, sources, source_of = end_to_end(plans)  # views of the round's planning pass, as a round launches
     token_ids = moves.token_ids
     if any(plan.dst_new_block_ids.size for plan in plans):
         new_blocks, new_of = _concatenated([plan.dst_new_block_ids for plan in plans])
     else:  # hole-fill plans take no fresh block
         new_blocks = new_of = np.zeros(0, dtype=np.int64)
-    # the moved tokens' live bits and slots are read in the pool's arena (token_arena.py); the
-    # block labels are written in pool-sized arrays the pool keeps, only where they are read: a
+    # the moved tokens' live bits and slots are read in the pool's arena (token_arena.py), each
+    # table's from its base there; the block labels are written in pool-sized arrays the pool keeps, only where they are read: a
     # fresh pool-sized array would pay the first touch of every page the round writes
     arena = pool.token_arena
     return compiled_loops().round_passes(
         num_plans, np.fromiter([table.num_tokens for table in tables], np.int64, num_plans), token_ids, move_of,
         moves.src_block_ids, moves.src_offsets, moves.dst_block_ids, moves.dst_offsets,
-        arena.entries(tables, token_ids, move_of), arena.live, arena.slot, sources, source_of, new_blocks, new_of,
-        held_blocks, holder_of, pinned, open_tails, pool.ref_counts,
+        np.fromiter([table._base for table in tables], np.int64, num_plans), arena.live, arena.slot, sources, source_of,
+        new_blocks, new_of, held_blocks, held_ends, pinned, open_tails, pool.ref_counts,
         pool.live_counts, pool.token_at, *(pool.scratch(name, np.int64) for name in ("plans_pass holder", "plans_pass source",
                                                                                       "plans_pass new", "plans_pass taken")),
         pool.scratch("plans_pass forbidden", bool), block_size)

@@ -38,13 +38,16 @@ def warm_compiled_loops() -> None:
     for table in tables:
         table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(12)), 12)
         table.evict_tokens(np.array([1, 2, 5, 6], dtype=np.int64))  # the table's and the pool's counts
-    plans = Reclaimer(ReclaimConfig(max_moves_per_step=None), pool).plan(tables)  # planning
-    assert plans, "the warm-up's layout gave the reclaimer nothing to plan"
+    reclaimer = Reclaimer(ReclaimConfig(max_moves_per_step=None), pool)
+    assert reclaimer.plan_to_free(tables, frozenset(), 1), "the warm-up's layout gave the reclaimer nothing to plan"  # under pressure
+    plans = reclaimer.plan(tables)  # a lazy round's planning
     planned = [tables[plan.req_id] for plan in plans]
     check_round(plans, planned, pool, frozenset())  # I4
     TokenTable.apply_moves_each(planned, [plan.moves for plan in plans], [table.layout_version for table in planned])  # a round's landing
+    TokenTable.release_empty_blocks_each(planned, free=True)
     tables[0].apply_moves(plan_compaction(tables[0], "hole-fill"))  # a vLLM tracker's compaction
     TokenTable.evict_one_each(tables, np.array([8, 8], dtype=np.int64))  # one token per request, many requests in one call
+    pool.adjust_live(pool.allocate(1), np.array([0], dtype=np.int64))  # a caller's own live-count change
     token_ids = np.arange(64, dtype=np.int64)  # a view's ids, as TokenTable.live_token_ids gives them
     for dtype in SCORE_DTYPES:
         scores = np.arange(64, 0, -1).astype(dtype)

@@ -272,11 +272,11 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
 
 
 @njit
-def land_moves(token_ids, move_of, num_tables, at, src_blocks, src_offsets, dst_blocks, dst_offsets, arena_live,
+def land_moves(token_ids, move_of, num_tables, bases, src_blocks, src_offsets, dst_blocks, dst_offsets, arena_live,
                arena_slot, token_at, block_size, live_counts, ref_counts, count_effects, delta, seen):
     """The writes of moves whose copies landed (TokenTable.apply_moves_each, the moves of
-    `num_tables` tables end to end, `move_of` the table of each, `at` each moved token's entry
-    in the arena): a live token leaves its source and joins its destination in the blocks'
+    `num_tables` tables end to end, `move_of` the table of each, whose per-token arrays start
+    at bases[k] in the pool's arena): a live token leaves its source and joins its destination in the blocks'
     live counts (change_live_counts, every source then every destination, whose changes it
     returns) and in the reverse map (every source cleared first: a destination may be another
     move's source); every moved token's slot, live or evicted while its copy was in flight,
@@ -286,6 +286,9 @@ def land_moves(token_ids, move_of, num_tables, at, src_blocks, src_offsets, dst_
     blocks = np.empty(2 * num_moves, np.int64)
     deltas = np.empty(2 * num_moves, np.int64)
     has_live = np.zeros(num_tables, np.bool_)
+    at = np.empty(num_moves, np.int64)  # each moved token's entry in the arena
+    for i in range(num_moves):
+        at[i] = bases[move_of[i]] + token_ids[i]
     num_live = 0
     for i in range(num_moves):
         if arena_live[at[i]]:
@@ -380,3 +383,37 @@ def evict_tokens(token_ids, live, slot, token_at, num_pinned, num_tokens, block_
                 num_logical_emptied -= 1
                 break
     return emptied, changes, 0, -1, num_logical_emptied
+
+
+@njit
+def evict_one_each(token_ids, num_tokens, num_pinned, bases, arena_live, arena_slot, token_at, block_size, live_counts,
+                   ref_counts, count_effects, delta, seen):
+    """A decode step's evictions across the batch, one token per table (TokenTable.evict_one_each):
+    token_ids[i] of table i, whose per-token arrays start at bases[i] in the pool's arena, has
+    its live bit cleared and its slot's reverse-map entry cleared, and its block one live token
+    less (change_live_counts, whose changes to the pool's counts it returns).
+
+    Returns (per table, the block its eviction emptied or -1; the changes; 0; -1), or, having
+    written nothing: the first table whose id is outside [num_pinned[i], num_tokens[i]) or not
+    live, as (.., .., UNKNOWN_TOKEN, i) (the table names the reason), or the pool's refusal
+    (change_live_counts' reason + REPEATED_TOKEN) and the block it names."""
+    num_tables = token_ids.size
+    emptied = np.full(num_tables, -1, np.int64)
+    changes = np.zeros(count_effects.shape[1], np.int64)
+    block_ids = np.empty(num_tables, np.int64)
+    for i in range(num_tables):
+        t = token_ids[i]
+        if not (num_pinned[i] <= t < num_tokens[i]) or not arena_live[bases[i] + t]:
+            return emptied, changes, UNKNOWN_TOKEN, i
+        block_ids[i] = arena_slot[bases[i] + t] // block_size
+    _, changes, reason, block = change_live_counts(block_ids, np.full(1, -1, np.int64), live_counts, ref_counts,
+                                                   count_effects, delta, seen)
+    if reason:
+        return emptied, changes, REPEATED_TOKEN + reason, block
+    for i in range(num_tables):
+        at = bases[i] + token_ids[i]
+        arena_live[at] = False
+        token_at[arena_slot[at]] = -1
+        if live_counts[block_ids[i]] == 0:
+            emptied[i] = block_ids[i]
+    return emptied, changes, 0, -1

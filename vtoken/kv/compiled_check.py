@@ -76,13 +76,15 @@ def _unlabel(holder, source, new, blocks):
 
 @njit
 def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offsets, dst_blocks, dst_offsets,
-                 at, arena_live, arena_slot, sources, source_of, new_blocks, new_of, held_blocks, holder_of,
+                 bases, arena_live, arena_slot, sources, source_of, new_blocks, new_of, held_blocks, held_ends,
                  pinned_blocks, open_tails, ref_counts, live_counts, token_at, holder, source, new, taken, forbidden,
                  block_size):
     """invariants.plans_pass's checks over a round's arrays (the plans' moves end to end,
-    `move_of` the plan of each; their sources, fresh blocks and tables' held blocks likewise),
-    one loop each. `holder`, `source`, `new`, `taken` and `forbidden` are the pool's scratch
-    arrays, written here where they are read. True when every check passes."""
+    `move_of` the plan of each; their sources and fresh blocks likewise; the tables' held
+    blocks end to end, plan k's table's ending at held_ends[k]), one loop each. A moved token's
+    live bit and slot are read in the pool's arena, its table's starting at bases[k].
+    `holder`, `source`, `new`, `taken` and `forbidden` are the pool's scratch arrays, written
+    here where they are read. True when every check passes."""
     num_moves, num_blocks = token_ids.size, ref_counts.size
     # an index out of the pool would read past its arrays: such a plan does not pass
     if not (_within(sources, num_blocks) and _within(dst_blocks, num_blocks) and _within(src_blocks, num_blocks)
@@ -101,7 +103,8 @@ def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offs
         if token_id < 0 or token_id >= num_tokens[plan]:
             return False
         move_keys[i] = plan * (max_tokens + 1) + token_id
-        if not arena_live[at[i]] or arena_slot[at[i]] != src_blocks[i] * block_size + src_offsets[i]:
+        at = bases[plan] + token_id
+        if not arena_live[at] or arena_slot[at] != src_blocks[i] * block_size + src_offsets[i]:
             return False
     keys_ascend = _ascending(move_keys)  # the usual round: plan after plan, each its tokens ascending
     if not (keys_ascend or _is_distinct(move_keys)):
@@ -110,8 +113,11 @@ def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offs
     _unlabel(holder, source, new, sources)
     _unlabel(holder, source, new, dst_blocks)
     _unlabel(holder, source, new, src_blocks)
-    for i in range(held_blocks.size):
-        holder[held_blocks[i]] = holder_of[i]
+    start = 0
+    for k in range(held_ends.size):
+        for i in range(start, held_ends[k]):
+            holder[held_blocks[i]] = k
+        start = held_ends[k]
     for i in range(sources.size):
         source[sources[i]] = source_of[i]
     for i in range(new_blocks.size):

@@ -7,7 +7,7 @@ Every change of a block's live count moves its histogram bin and the <= 50% coun
 one of three paths: one block in Python integers (`add_live`, `remove_live_token`, one pending
 append), distinct blocks in numpy (`_set_live`: appends, counted at a flush or at once by
 `count_appended`, and freed blocks), and any blocks, ids repeating, in one compiled loop
-(`adjust_live`, `remove_evicted_tokens`, `land_moves`: evictions and landed moves; numba, kv/compiled.py,
+(`adjust_live`, `remove_evicted_tokens`, `remove_evicted_one_each`, `land_moves`: evictions and landed moves; numba, kv/compiled.py,
 loaded at the first call by `compiled_loops`: a process that neither evicts nor reclaims never
 imports numba, tests/test_compiled.py).
 """
@@ -21,7 +21,6 @@ from vtoken.kv.arrays import count_by_block
 from vtoken.lazy import imported_at_first_call
 
 NUM_HISTOGRAM_BINS = 10
-ONE_TOKEN_LESS = np.array([-1], dtype=np.int64)  # `adjust_live`'s deltas for one token less in each block named
 
 compiled_loops = imported_at_first_call("vtoken.kv.compiled")  # numba is not imported with the pool
 
@@ -31,11 +30,10 @@ class LiveCounts:
 
     def adjust_live(self, block_ids: np.ndarray, deltas: np.ndarray) -> np.ndarray:
         """Add `deltas[i]` live tokens to `block_ids[i]`, or `deltas[0]` to each when `deltas`
-        has one entry (int64 ids of allocated blocks; an id may repeat, its deltas add up): a
-        batch eviction (ONE_TOKEN_LESS), landed moves (-1 at a source, +1 at a destination), in
-        one compiled loop over the blocks. Checked first,
-        so that a rejected call changes nothing. Returns the blocks it left without a live
-        token, ascending."""
+        has one entry (int64 ids of allocated blocks; an id may repeat, its deltas add up), in
+        one compiled loop over the blocks (`change_live_counts`, which the substrate's own
+        evictions and landings run inside theirs). Checked first, so that a rejected call
+        changes nothing. Returns the blocks it left without a live token, ascending."""
         emptied, changes, reason, block_id = compiled_loops().change_live_counts(
             np.asarray(block_ids, dtype=np.int64), np.asarray(deltas, dtype=np.int64), self._live_counts, self.ref_counts,
             self._count_effects, self.scratch("adjust_live delta", np.int64), self.scratch("adjust_live seen", bool))
@@ -66,16 +64,40 @@ class LiveCounts:
             self.num_live_tokens += self._add_to_counts(changes.tolist())
         return emptied, reason, culprit, num_logical_emptied
 
-    def land_moves(self, token_ids: np.ndarray, move_of: np.ndarray, num_tables: int, at: np.ndarray,
+    def remove_evicted_one_each(self, token_ids: np.ndarray, num_tokens: np.ndarray, num_pinned: np.ndarray,
+                                bases: np.ndarray) -> tuple[np.ndarray, int]:
+        """A decode step's evictions across the batch, one token per table of this pool
+        (`TokenTable.evict_one_each`: token_ids[i] of the table whose arena entries start at
+        bases[i], of num_tokens[i] tokens and num_pinned[i] pinned), checked and written in one
+        compiled loop (kv/compiled.py, `evict_one_each`): the ids' live bits in the arena and
+        their reverse-map entries cleared, one live token less in the block of each. The
+        tables' pending appends must be counted first. Returns (per table, the block its
+        eviction emptied or -1; -1), or, having changed nothing, (-, the first table whose id
+        is not a live token outside its pinned prefix), for the table to report; raises the
+        pool's own refusals."""
+        loops = compiled_loops()
+        arena = self.token_arena
+        emptied, changes, reason, culprit = loops.evict_one_each(
+            token_ids, num_tokens, num_pinned, bases, arena.live, arena.slot, self._token_at, self.block_size,
+            self._live_counts, self.ref_counts, self._count_effects, self.scratch("adjust_live delta", np.int64),
+            self.scratch("adjust_live seen", bool))
+        if reason > loops.REPEATED_TOKEN:
+            self._refuse_live_change(reason - loops.REPEATED_TOKEN, culprit)
+        if reason:
+            return emptied, culprit
+        self.num_live_tokens += self._add_to_counts(changes.tolist())
+        return emptied, -1
+
+    def land_moves(self, token_ids: np.ndarray, move_of: np.ndarray, num_tables: int, bases: np.ndarray,
                    src_blocks: np.ndarray, src_offsets: np.ndarray, dst_blocks: np.ndarray, dst_offsets: np.ndarray,
                    arena_live: np.ndarray, arena_slot: np.ndarray) -> np.ndarray:
         """Landed moves of `num_tables` tables, checked by the tables (`TokenTable.apply_moves_each`),
         written in one compiled loop (kv/compiled.py, `land_moves`): the moved live tokens'
-        live counts and reverse-map entries, and every moved token's slot in the arena (`at`,
-        its entry there). Returns, per table, whether it moved a live token; raises, having
+        live counts and reverse-map entries, and every moved token's slot in the arena (table
+        k's entries start at `bases[k]`). Returns, per table, whether it moved a live token; raises, having
         changed nothing, the pool's refusals."""
         has_live, changes, reason, block_id = compiled_loops().land_moves(
-            token_ids, move_of, num_tables, at, src_blocks, src_offsets, dst_blocks, dst_offsets, arena_live, arena_slot,
+            token_ids, move_of, num_tables, bases, src_blocks, src_offsets, dst_blocks, dst_offsets, arena_live, arena_slot,
             self._token_at, self.block_size, self._live_counts, self.ref_counts, self._count_effects,
             self.scratch("adjust_live delta", np.int64), self.scratch("adjust_live seen", bool))
         if reason:
@@ -142,14 +164,6 @@ class LiveCounts:
         self._recount(block_id, old_count, old_count - 1)
         self.num_live_tokens -= 1
         return old_count - 1
-
-    def remove_live_tokens_in(self, block_ids: np.ndarray) -> np.ndarray:
-        """One live token died in each of `block_ids` (a block repeats once per token it lost):
-        `adjust_live` with -1 each, for a batch eviction by a caller that holds the blocks and
-        counted its own pending appends first (`TokenTable.flush`): another table's pending
-        appends are in that table's blocks. Returns the blocks left without a live token,
-        ascending."""
-        return self.adjust_live(block_ids, ONE_TOKEN_LESS)
 
     def _recount(self, block_id: int, old_count: int, new_count: int) -> None:
         """Set one block's live count; its histogram bin and the <= 50% count follow."""

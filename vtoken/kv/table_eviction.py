@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vtoken.errors import VTokenError
-from vtoken.kv.arrays import isin
 from vtoken.kv.block_pool import NO_BLOCKS
 from vtoken.kv.live_counts import compiled_loops
 
@@ -76,22 +75,15 @@ class EvictionVerbs:
         num_tables = len(tables)
         lengths = np.fromiter([table.num_tokens for table in tables], np.int64, num_tables)
         num_pinned = np.fromiter([table.num_pinned_tokens for table in tables], np.int64, num_tables)
-        arena = pool.token_arena
-        at = arena.entries(tables, ids)
-        if not (((ids >= num_pinned) & (ids < lengths)).all() and arena.live[at].all()):
-            for table, token_id in zip(tables, ids.tolist()):
-                table.evictable_slot(token_id)  # raises the first table's error
+        bases = np.fromiter([table._base for table in tables], np.int64, num_tables)
         tables[0].flush()  # the blocks' counts must be whole before they can tell whether they emptied
-        slot_array = arena.slot[at]
-        arena.live[at] = False
+        emptied, refused = pool.remove_evicted_one_each(ids, lengths, num_pinned, bases)
+        if refused >= 0:
+            tables[refused].evictable_slot(int(ids[refused]))  # raises the table's error
+            raise VTokenError(f"request {tables[refused].req_id}: token {int(ids[refused])} refused by the pool's arena but not by its table")
         for table, token_id in zip(tables, ids.tolist()):  # what stays per table: its counters and slot list
             table._count_dead(token_id)
-        tables[0]._token_at[slot_array] = -1  # the pool's reverse map, shared by its tables
-        block_ids = slot_array // pool.block_size
-        emptied = pool.remove_live_tokens_in(block_ids)
-        if not emptied.size:
-            return np.full(block_ids.size, -1, dtype=np.int64)
-        return np.where(isin(block_ids, emptied), block_ids, -1)
+        return emptied
 
     def _evict_one(self, token_id: int) -> np.ndarray:
         """`evict_tokens` of a single id, with scalars only (same checks, same result)."""

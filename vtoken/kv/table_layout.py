@@ -57,19 +57,23 @@ class LayoutCounts:
     @staticmethod
     def held_blocks_each(tables: Sequence[TokenTable]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What a round's I4 check reads of its tables' blocks (invariants.plans_pass): every
-        table's held blocks end to end with the index of the table of each, the blocks of their
-        pinned prefixes end to end, and the open tail of each table with one (int64)."""
-        held, sizes, pinned, open_tails = [], [], [], []
+        table's held blocks end to end and where each table's end, the blocks of their pinned
+        prefixes end to end, and the open tail of each table with one (int64; one table's are
+        views of its own arrays, as a paced round step checks one plan)."""
+        held, ends, pinned, open_tails = [], [], [], []
+        num_blocks = 0
         for table in tables:
             num_held, block_size = table._num_held, table.block_size
             table_held = table._held[:num_held]
             held.append(table_held)
-            sizes.append(num_held)
+            num_blocks += num_held
+            ends.append(num_blocks)
             pinned.append(table_held[: table.num_pinned_tokens // block_size])
             if num_held and table.tail_num_written < block_size:
                 open_tails.append(table._held.item(num_held - 1))
-        return (np.concatenate(held), np.repeat(np.arange(len(tables)), sizes), np.concatenate(pinned),
-                np.array(open_tails, dtype=np.int64))
+        if len(tables) == 1:
+            return held[0], np.array(ends, dtype=np.int64), pinned[0], np.array(open_tails, dtype=np.int64)
+        return np.concatenate(held), np.array(ends, dtype=np.int64), np.concatenate(pinned), np.array(open_tails, dtype=np.int64)
 
     def num_uncompacted_blocks(self) -> int:
         """Blocks the request would hold had nothing ever been moved (naive-evict's layout):

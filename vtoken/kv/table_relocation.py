@@ -78,18 +78,18 @@ class RelocationVerbs:
             if version != table.layout_version:
                 table._check_moves(table_moves)
         # every table's moves end to end (a table without moves is left out: indices into
-        # `work`); `at`, each moved token's entry in the pool's arena
+        # `work`); each table's entries in the pool's arena start at its base there
         if end_to_end is not None and len(work) == len(tables):
             all_moves, move_of = end_to_end
         else:
             all_moves, move_of = Moves.joined([table_moves for _, table_moves, _ in work])
         token_ids = all_moves.token_ids
         arena = pool.token_arena
-        at = arena.entries([table for table, _, _ in work], token_ids, move_of)
+        bases = np.fromiter([table._base for table, _, _ in work], np.int64, len(work))
         # the pool's side and the tables' slots in one loop; a token evicted while its copy was
         # in flight is repointed without live-count changes (a table still at its checked
         # version has every moved token live)
-        has_live = pool.land_moves(token_ids, move_of, len(work), at, all_moves.src_block_ids, all_moves.src_offsets,
+        has_live = pool.land_moves(token_ids, move_of, len(work), bases, all_moves.src_block_ids, all_moves.src_offsets,
                                    all_moves.dst_block_ids, all_moves.dst_offsets, arena.live, arena.slot)
         for (table, table_moves, _), moved_live in zip(work, has_live.tolist()):
             table._repointed(table_moves, moved_live)

@@ -1,8 +1,9 @@
 """Every token table's per-token arrays of one pool, as ranges of two pool-wide arrays.
 
 A table's slot array and live bits (token_table.py) are views of its range here, so a call
-over many tables' tokens reads and writes them all with one gather or one scatter instead of
-one call per table (`TokenTable.evict_one_each`, a decode step's evictions across the batch):
+over many tables' tokens reads and writes them all in one compiled loop, token t of a table at
+its base + t, instead of one call per table (`TokenTable.evict_one_each`, a decode step's
+evictions across the batch; a round's I4 check and landing):
 
     slot:  [ table 3: 0..cap3 )[ table 7: 0..cap7 )[ (table 5, finished) ][ table 9 ... ) free
     live:  the same ranges
@@ -21,7 +22,6 @@ that appending a token need not write its bit.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,14 +47,6 @@ class TokenArena:
         self.end += num_entries
         self._tables.add(table)
         return base
-
-    @staticmethod
-    def entries(tables: Sequence[TokenTable], token_ids: np.ndarray, table_of: np.ndarray | None = None) -> np.ndarray:
-        """Where token `token_ids[i]` of `tables[table_of[i]]` (of `tables[i]` without
-        `table_of`) lies in the arena, the tables of one pool: one gather or scatter reads or
-        writes them all."""
-        bases = np.fromiter([table._base for table in tables], np.int64, len(tables))
-        return (bases if table_of is None else bases[table_of]) + token_ids
 
     def _compact(self, num_entries_needed: int) -> None:
         tables = list(self._tables)
