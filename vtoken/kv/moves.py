@@ -107,6 +107,8 @@ def end_to_end(plans: Sequence[RelocationPlan]) -> tuple[Moves, np.ndarray, np.n
             for plan, own_moves, own_sources in zip(plans, batch.plan_moves, batch.plan_sources)):
         num_moves, num_sources = batch.move_ends[len(plans) - 1], batch.source_ends[len(plans) - 1]
         moves = batch.moves
+        if num_moves == moves.num_moves and num_sources == batch.sources.size:  # every plan of the batch
+            return moves, batch.move_of, batch.sources, batch.source_of
         return (Moves(moves.token_ids[:num_moves], moves.src_block_ids[:num_moves], moves.src_offsets[:num_moves],
                       moves.dst_block_ids[:num_moves], moves.dst_offsets[:num_moves]),
                 batch.move_of[:num_moves], batch.sources[:num_sources], batch.source_of[:num_sources])

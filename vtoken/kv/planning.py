@@ -116,17 +116,21 @@ def _batch_of(tables: list[TokenTable], plan_rows: np.ndarray, move_rows: np.nda
               source_rows: np.ndarray) -> list[RelocationPlan]:
     """The plans of compiled.hole_fill_plans' rows, in their order, as views of one `PlanBatch`."""
     plan_requests, move_ends, source_ends = plan_rows.tolist()
-    token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, move_of = move_rows
-    sources, source_of = source_rows
-    batch = PlanBatch(Moves(token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets), move_of, sources, source_of,
-                      move_ends, source_ends, [], [])
+    token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, move_of = (
+        move_rows[0], move_rows[1], move_rows[2], move_rows[3], move_rows[4], move_rows[5])
+    sources, source_of = source_rows[0], source_rows[1]
+    all_moves = Moves(token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets)
+    batch = PlanBatch(all_moves, move_of, sources, source_of, move_ends, source_ends, [], [])
     plans = []
     first_move = first_src = 0
     for k, move_end, source_end in zip(plan_requests, move_ends, source_ends):
         table = tables[k]
         a, b = first_move, move_end
-        moves = Moves(token_ids[a:b], src_blocks[a:b], src_offsets[a:b], dst_blocks[a:b], dst_offsets[a:b])
-        plan_sources = sources[first_src:source_end]
+        if len(plan_requests) == 1:  # a paced round step's one plan: its arrays are the batch's
+            moves, plan_sources = all_moves, sources
+        else:
+            moves = Moves(token_ids[a:b], src_blocks[a:b], src_offsets[a:b], dst_blocks[a:b], dst_offsets[a:b])
+            plan_sources = sources[first_src:source_end]
         plans.append(RelocationPlan(table.req_id, "hole-fill", moves, plan_sources, NO_BLOCKS, table.layout_version, batch))
         batch.plan_moves.append(moves)
         batch.plan_sources.append(plan_sources)

@@ -44,7 +44,8 @@ class LayoutCounts:
     def candidate_blocks_each(tables: Sequence[TokenTable]) -> tuple[np.ndarray, np.ndarray]:
         """The blocks a relocation plan of each table may touch but for the shared ones (which
         planning.Movables leaves out by their ref counts): held, past the pinned prefix, the
-        open tail left out. Every table's end to end, and how many of each (int64)."""
+        open tail left out. Every table's end to end, and how many of each (int64; one table's
+        blocks are a view of its own array)."""
         held, sizes = [], []
         for table in tables:
             block_size = table.block_size
@@ -52,7 +53,7 @@ class LayoutCounts:
             end -= end > start and table.tail_num_written < block_size
             held.append(table._held[start:end])
             sizes.append(end - start)
-        return np.concatenate(held), np.array(sizes, dtype=np.int64)
+        return held[0] if len(held) == 1 else np.concatenate(held), np.array(sizes, dtype=np.int64)
 
     @staticmethod
     def held_blocks_each(tables: Sequence[TokenTable]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
