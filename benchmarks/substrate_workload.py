@@ -269,7 +269,8 @@ class EvictingRun:
         check_round(plans, tables, self.pool, frozenset())
         checked = clock()
         for plan, table in zip(plans, tables):
-            table.adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
+            if plan.dst_new_block_ids.size:  # an ordered plan's fresh destinations, as the runtime takes them
+                table.adopt_blocks(self.pool.allocate(plan.dst_new_block_ids.size))
             self.checked_at[plan.req_id] = table.layout_version
             self.engine.launch(plan)
         if self.landing == "same-step":

@@ -167,7 +167,8 @@ class RelocationVerbs:
         pool = tables[0].pool
         starts = [table.num_pinned_tokens // table.block_size for table in tables]
         sizes = [table._num_held - start for table, start in zip(tables, starts)]
-        held = np.concatenate([table._held[start : table._num_held] for table, start in zip(tables, starts)])
+        helds = [table._held[start : table._num_held] for table, start in zip(tables, starts)]
+        held = helds[0] if len(helds) == 1 else np.concatenate(helds)  # one table's: a view
         kept, released, num_released = pool.release_empty(held, np.array(sizes, dtype=np.int64), free)
         if not released.size:
             return NO_BLOCKS
