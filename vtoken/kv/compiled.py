@@ -5,11 +5,13 @@ A round step plans, checks and lands the plans of a few requests at once: intege
 over their blocks and moved tokens, no policy rule and no floating point. Written as numpy
 calls over the round's arrays it is a few dozen calls, each a few microseconds whatever it
 does, which set a floor under a round step however few tokens it moves (README, issue 17's
-substrate table). Here each is one loop over the entries it reads. So are the pool's live
-counts and histogram (`change_live_counts`: a decode step's evictions, one token per request),
-a round's landing whole (`land_moves`: those counts, the reverse map and the moved tokens'
-slots) and a table's batch eviction whole (`evict_tokens`: its checks, live bits and
-reverse-map entries, and those counts), which an eviction event pays on every policy run.
+substrate table). Here each is one loop over the entries it reads, and a step's part is one
+call: a lazy round's planning (`hole_fill_round`: the movable blocks, the order, the plans), a
+round's landing (`land_moves`: the pool's live counts and histogram, `change_live_counts`, the
+reverse map and the moved tokens' slots; then `release_empty_blocks`: the blocks it emptied,
+released and freed). So are a table's batch eviction (`evict_tokens`: its checks, live bits and
+reverse-map entries, and those counts), which an eviction event pays on every policy run, and
+a decode step's evictions across the batch, one token per request (`evict_one_each`).
 
 The round's I4 check, `round_passes`, is in kv/compiled_check.py, reached through this
 module. Imported by their callers when a process first evicts or reclaims, or where an engine starts
