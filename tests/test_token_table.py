@@ -359,6 +359,23 @@ def test_evict_one_each_refused_by_the_pool_changes_nothing() -> None:
     assert_unchanged(before[1], second)
 
 
+def test_evict_one_each_takes_ids_of_any_layout_and_refuses_a_count_other_than_the_tables() -> None:
+    """Ids as a strided view evict as a fresh array does (the compiled loop gets them
+    contiguous); two ids a table for two tables (a [2, 2] array) is refused, changing nothing."""
+    for_view, for_array = make_pool(), make_pool()
+    viewed = [make_table(for_view, 10, req_id) for req_id in range(2)]
+    fresh = [make_table(for_array, 10, req_id) for req_id in range(2)]
+    ids = np.array([[4, 0], [7, 0]], dtype=np.int64)[:, 0]  # not contiguous
+    assert TokenTable.evict_one_each(viewed, ids).tolist() == TokenTable.evict_one_each(fresh, np.array([4, 7])).tolist()
+    for got, want in zip(viewed, fresh):
+        np.testing.assert_equal(state(got), state(want))
+    before = [state(table) for table in viewed]
+    with pytest.raises(VTokenError, match="got 2 tables and 4 token ids"):
+        TokenTable.evict_one_each(viewed, np.array([[5, 6], [5, 6]]))
+    for table, table_before in zip(viewed, before):
+        assert_unchanged(table_before, table)
+
+
 def test_evict_one_each_refuses_a_table_given_twice() -> None:
     pool = make_pool()
     table = make_table(pool, 10)

@@ -64,14 +64,14 @@ class EvictionVerbs:
         releases it with that table's `release_blocks` and frees them all in one call). Raises,
         changing nothing, for an unknown, dead or pinned id or a table given twice.
         """
-        if len(tables) != len(token_ids):
-            raise VTokenError(f"evict_one_each got {len(tables)} tables and {len(token_ids)} token ids")
+        ids = np.ascontiguousarray(token_ids, dtype=np.int64).ravel()  # the compiled loop's one layout
+        if len(tables) != ids.size:
+            raise VTokenError(f"evict_one_each got {len(tables)} tables and {ids.size} token ids")
         if not tables:
             return np.zeros(0, dtype=np.int64)
         pool = tables[0].pool
         if len({id(table) for table in tables}) != len(tables) or any(table.pool is not pool for table in tables):
             raise VTokenError("evict_one_each needs distinct tables of one pool")
-        ids = np.asarray(token_ids, dtype=np.int64)
         num_tables = len(tables)
         lengths = np.fromiter([table.num_tokens for table in tables], np.int64, num_tables)
         num_pinned = np.fromiter([table.num_pinned_tokens for table in tables], np.int64, num_tables)

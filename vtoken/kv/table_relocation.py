@@ -166,8 +166,8 @@ class RelocationVerbs:
             return NO_BLOCKS
         pool = tables[0].pool
         starts = [table.num_pinned_tokens // table.block_size for table in tables]
-        sizes = [table._num_held - start for table, start in zip(tables, starts)]
         helds = [table._held[start : table._num_held] for table, start in zip(tables, starts)]
+        sizes = [table_held.size for table_held in helds]
         held = helds[0] if len(helds) == 1 else np.concatenate(helds)  # one table's: a view
         kept, released, num_released = pool.release_empty(held, np.array(sizes, dtype=np.int64), free)
         if not released.size:
