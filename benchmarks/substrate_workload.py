@@ -32,7 +32,7 @@ from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.moves import RelocationPlan, end_to_end
-from vtoken.kv.planning import Movables, plan_hole_fill_each
+from vtoken.kv.planning import plan_hole_fill_round
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.model_spec import resolve_model
@@ -293,17 +293,17 @@ class EvictingRun:
         moves, move_of, _, _ = end_to_end(completed)
         TokenTable.apply_moves_each(tables, [plan.moves for plan in completed],
                                     [self.checked_at.pop(plan.req_id) for plan in completed], (moves, move_of))
-        TokenTable.release_empty_blocks_each(tables, free=True)
+        TokenTable.release_empty_blocks_each(tables)
         self.num_tokens_moved += sum(plan.num_tokens_moved for plan in completed)
         self.num_blocks_freed_by_plans += sum(plan.num_blocks_freed for plan in completed)
 
     def time_replan(self, tables: list[TokenTable]) -> float:
-        """Seconds of planning `tables` again as a hole-fill round does (`Movables.of`, then
-        `plan_hole_fill_each`), the plans discarded; 0 for the ordered mode."""
+        """Seconds of planning `tables` again as a hole-fill round does (`plan_hole_fill_round`),
+        the plans discarded; 0 for the ordered mode."""
         if self.reclaimer.config.mode != "hole-fill":
             return 0.0
         started = self.clock()
-        plan_hole_fill_each(Movables.of(tables), self.reclaimer.config.max_src_blocks)
+        plan_hole_fill_round(tables, self.reclaimer.config.max_src_blocks)
         return self.clock() - started
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:

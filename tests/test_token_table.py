@@ -603,34 +603,13 @@ def test_adopt_blocks_puts_relocation_destinations_before_the_tail() -> None:
 
 
 def release_empty_blocks(table: TokenTable) -> list[int]:
-    emptied = table.release_empty_blocks()
-    table.pool.free(emptied)
-    return emptied.tolist()
+    return table.release_empty_blocks().tolist()  # the pool frees them in the same pass
 
 
-def test_release_empty_blocks_each_is_release_empty_blocks_of_each_table_in_turn() -> None:
-    """Two requests that lost blocks whole while copies were in flight, one that holds no
-    block between them, and one that lost none: one call releases what the four calls release,
-    in table order."""
-    def layouts() -> list[TokenTable]:
-        first, second = two_holey_tables()
-        third = make_table(first.pool, 5, req_id=2)
-        first.evict_tokens(np.array([4, 5, 6, 7]))  # block 1
-        second.evict_tokens(np.array([0, 1, 8, 9, 10, 11]))  # blocks 3 and 5, the tail
-        return [first, TokenTable(3, first.pool), second, third]
-
-    each, together = layouts(), layouts()
-    released_each = [table.release_empty_blocks().tolist() for table in each]
-    assert released_each == [[1], [], [3, 5], []]
-    assert TokenTable.release_empty_blocks_each(together).tolist() == [1, 3, 5]
-    for one, other in zip(each, together):
-        assert_unchanged(state(one), other)
-        assert one.layout_version == other.layout_version
-
-
-def four_tables_that_lost_blocks_in_flight(shared_block: bool) -> list[TokenTable]:
-    """The layouts above; with `shared_block`, one of the emptied blocks (block 3) has a second
-    reference, as a block another holder still reads: released, but not freed."""
+def four_tables_that_lost_blocks_in_flight(shared_block: bool = False) -> list[TokenTable]:
+    """Two requests that lost blocks whole while copies were in flight, one that holds no block
+    between them, and one that lost none; with `shared_block`, one of the emptied blocks (block
+    3) has a second reference, as a block another holder still reads: released, but not freed."""
     first, second = two_holey_tables()
     third = make_table(first.pool, 5, req_id=2)
     first.evict_tokens(np.array([4, 5, 6, 7]))  # block 1
@@ -640,33 +619,56 @@ def four_tables_that_lost_blocks_in_flight(shared_block: bool) -> list[TokenTabl
     return [first, TokenTable(3, first.pool), second, third]
 
 
-def pool_state(pool: BlockPool) -> tuple:
-    return (pool.ref_counts.copy(), pool.live_counts.copy(), pool.token_at.copy(), pool.peek_free(pool.num_free_blocks),
+def pool_state(pool: BlockPool, free_list_order: bool = True) -> tuple:
+    """The pool's counts and maps, and its free blocks in the order it hands them out (or,
+    without `free_list_order`, ascending)."""
+    free = pool.peek_free(pool.num_free_blocks)
+    return (pool.ref_counts.copy(), pool.live_counts.copy(), pool.token_at.copy(), free if free_list_order else np.sort(free),
             pool.utilization_histogram(), pool.num_blocks_le_half, pool.num_live_tokens)
 
 
-@pytest.mark.parametrize("shared_block", [False, True])
-def test_release_empty_blocks_each_with_free_is_release_then_free(shared_block: bool) -> None:
-    """A landing's release and free in one pass: the tables and the pool (ref counts, the free
-    list in the order it hands blocks out, the histogram) as after the release and then
-    `BlockPool.free` of what it released."""
-    by_two_calls, by_one = four_tables_that_lost_blocks_in_flight(shared_block), four_tables_that_lost_blocks_in_flight(shared_block)
-    released = TokenTable.release_empty_blocks_each(by_two_calls)
-    by_two_calls[0].pool.free(released)
-    assert TokenTable.release_empty_blocks_each(by_one, free=True).tolist() == released.tolist() == [1, 3, 5]
-    for one, other in zip(by_two_calls, by_one):
+def test_release_empty_blocks_each_is_release_empty_blocks_of_each_table_in_turn() -> None:
+    """One call releases and frees what the four calls release and free, in table order (the
+    free list holds the same blocks; the order it hands them out in follows the calls)."""
+    each, together = four_tables_that_lost_blocks_in_flight(), four_tables_that_lost_blocks_in_flight()
+    released_each = [table.release_empty_blocks().tolist() for table in each]
+    assert released_each == [[1], [], [3, 5], []]
+    assert TokenTable.release_empty_blocks_each(together).tolist() == [1, 3, 5]
+    for one, other in zip(each, together):
         assert_unchanged(state(one), other)
         assert one.layout_version == other.layout_version
-    for a, b in zip(pool_state(by_two_calls[0].pool), pool_state(by_one[0].pool), strict=True):
+    for a, b in zip(pool_state(each[0].pool, free_list_order=False), pool_state(together[0].pool, free_list_order=False),
+                    strict=True):
         np.testing.assert_array_equal(a, b)
-    assert by_one[0].pool.ref_counts[3] == (1 if shared_block else 0)
+
+
+@pytest.mark.parametrize("shared_block", [False, True])
+def test_release_empty_blocks_each_is_release_blocks_of_the_empty_ones_then_free(shared_block: bool) -> None:
+    """A landing's release and free in one pass: the tables and the pool (ref counts, the free
+    list in the order it hands blocks out, the histogram) as after `release_blocks` of each
+    table's blocks past its prefix without a live token and then `BlockPool.free` of them all."""
+    by_hand, by_call = four_tables_that_lost_blocks_in_flight(shared_block), four_tables_that_lost_blocks_in_flight(shared_block)
+    pool = by_hand[0].pool
+    empty = []
+    for table in by_hand:
+        held = table.held_block_ids[table.num_pinned_blocks :].copy()
+        empty.append(held[pool.live_counts[held] == 0])
+        table.release_blocks(empty[-1])
+    pool.free(np.concatenate(empty))
+    assert TokenTable.release_empty_blocks_each(by_call).tolist() == np.concatenate(empty).tolist() == [1, 3, 5]
+    for one, other in zip(by_hand, by_call):
+        assert_unchanged(state(one), other)
+        assert one.layout_version == other.layout_version
+    for a, b in zip(pool_state(pool), pool_state(by_call[0].pool), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert by_call[0].pool.ref_counts[3] == (1 if shared_block else 0)
 
 
 @pytest.mark.parametrize("fault", ["double free", "repeated"])
-def test_release_empty_blocks_each_with_free_refuses_changing_nothing(fault: str) -> None:
+def test_release_empty_blocks_each_refuses_changing_nothing(fault: str) -> None:
     """A block without a reference among those to free, or one named twice (a table given
     twice): the pool's refusal, raised before a table or the pool changes."""
-    tables = four_tables_that_lost_blocks_in_flight(False)
+    tables = four_tables_that_lost_blocks_in_flight()
     pool = tables[0].pool
     if fault == "double free":
         pool.ref_counts[5] = 0  # as if freed already
@@ -674,7 +676,7 @@ def test_release_empty_blocks_each_with_free_refuses_changing_nothing(fault: str
         tables = [tables[0], tables[0]]
     before, before_pool = [state(table) for table in tables], pool_state(pool)
     with pytest.raises(VTokenError, match="double free of blocks \\[5\\]" if fault == "double free" else "repeated block ids \\[1\\]"):
-        TokenTable.release_empty_blocks_each(tables, free=True)
+        TokenTable.release_empty_blocks_each(tables)
     for table, table_before in zip(tables, before):
         assert_unchanged(table_before, table)
     for a, b in zip(before_pool, pool_state(pool), strict=True):
@@ -687,7 +689,7 @@ def test_release_empty_blocks_is_release_blocks_of_every_empty_block_past_the_pr
                                                                                       data: st.DataObject) -> None:
     """Evictions without releasing (a request with a copy in flight), then one call: the same
     state as `release_blocks` of the held blocks past the shared prefix with no live token, the
-    tail among them, and those blocks returned in held order."""
+    tail among them, and the pool's `free` of them, and those blocks returned in held order."""
     tables = []
     for _ in range(2):
         pool = make_pool(32)
@@ -707,6 +709,7 @@ def test_release_empty_blocks_is_release_blocks_of_every_empty_block_past_the_pr
     held = by_hand.held_block_ids[by_hand.num_pinned_blocks :].copy()
     expected = held[by_hand.pool.live_counts[held] == 0]
     by_hand.release_blocks(expected)
+    by_hand.pool.free(expected)
     assert by_call.release_empty_blocks().tolist() == expected.tolist()
     assert_unchanged(state(by_hand), by_call)
     assert by_call.layout_version == by_hand.layout_version

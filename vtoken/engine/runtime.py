@@ -336,7 +336,7 @@ class Runtime:
         lives_before = [table.live_token_ids() for table in tables] if self._is_observed else [None] * len(tables)
         moves, move_of, _, _ = end_to_end(landed)  # a round's plans, as they were planned: views
         TokenTable.apply_moves_each(tables, [plan.moves for plan in landed], versions, (moves, move_of))
-        TokenTable.release_empty_blocks_each(tables, free=True)
+        TokenTable.release_empty_blocks_each(tables)
         counts = self._counts
         for plan, table, live_before in zip(landed, tables, lives_before):
             counts["tokens_moved"] += plan.num_tokens_moved

@@ -44,7 +44,7 @@ def warm_compiled_loops() -> None:
     planned = [tables[plan.req_id] for plan in plans]
     check_round(plans, planned, pool, frozenset())  # I4
     TokenTable.apply_moves_each(planned, [plan.moves for plan in plans], [table.layout_version for table in planned])  # a round's landing
-    TokenTable.release_empty_blocks_each(planned, free=True)
+    TokenTable.release_empty_blocks_each(planned)
     tables[0].apply_moves(plan_compaction(tables[0], "hole-fill"))  # a vLLM tracker's compaction
     TokenTable.evict_one_each(tables, np.array([8, 8], dtype=np.int64))  # one token per request, many requests in one call
     pool.adjust_live(pool.allocate(1), np.array([0], dtype=np.int64))  # a caller's own live-count change

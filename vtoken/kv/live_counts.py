@@ -45,7 +45,7 @@ class LiveCounts:
     def remove_evicted_tokens(self, token_ids: np.ndarray, live: np.ndarray, slot: np.ndarray, num_pinned: int,
                               num_tokens: int, count_logical: bool) -> tuple[np.ndarray, int, int, int]:
         """A token table's batch eviction of `token_ids` (int64), checked and written in one
-        compiled loop (kv/compiled.py, `evict_tokens`): the ids' live bits in `live` and their
+        compiled loop (kv/compiled_evict.py, `evict_tokens`): the ids' live bits in `live` and their
         slots' reverse-map entries cleared, one live token less in the block of each. `live` and
         `slot` are the table's per-token arrays; its pending appends must be counted first
         (its `flush`). Returns (the blocks left without a live token, ascending; 0; -1; with
@@ -69,7 +69,7 @@ class LiveCounts:
         """A decode step's evictions across the batch, one token per table of this pool
         (`TokenTable.evict_one_each`: token_ids[i] of the table whose arena entries start at
         bases[i], of num_tokens[i] tokens and num_pinned[i] pinned), checked and written in one
-        compiled loop (kv/compiled.py, `evict_one_each`): the ids' live bits in the arena and
+        compiled loop (kv/compiled_evict.py, `evict_one_each`): the ids' live bits in the arena and
         their reverse-map entries cleared, one live token less in the block of each. The
         tables' pending appends must be counted first. Returns (per table, the block its
         eviction emptied or -1; -1), or, having changed nothing, (-, the first table whose id

@@ -150,18 +150,18 @@ class RelocationVerbs:
     def release_empty_blocks(self) -> np.ndarray:
         """`release_blocks` of every block past the pinned prefix that holds no live token (what
         a relocation that landed leaves: its sources, and any block evicted empty while its copy
-        was in flight), found by the pool's counts and released in one pass, without the checks
-        that blocks named by a caller need. Returns them, in held order, for the caller to free."""
+        was in flight), found by the pool's counts, and the pool's `free` of them, in one pass,
+        without the checks that blocks named by a caller need. Returns them, in held order (the
+        pool has freed them)."""
         return self.release_empty_blocks_each([self])
 
     @staticmethod
-    def release_empty_blocks_each(tables: Sequence[TokenTable], free: bool = False) -> np.ndarray:
+    def release_empty_blocks_each(tables: Sequence[TokenTable]) -> np.ndarray:
         """`release_empty_blocks` of every table (distinct tables of one pool, as the plans of a
         round that landed together): every table's blocks past its pinned prefix read against
-        the pool's live counts in one compiled pass (`BlockPool.release_empty`), and each table
-        that lost some keeps the rest with one write. Returns the blocks released, table by
-        table in held order, for the caller to free; with `free`, the pool has freed them in
-        that pass (what a landing does, `BlockPool.free` of them after this call, at once)."""
+        the pool's live counts, and those without a live token freed, in one compiled pass
+        (`BlockPool.release_empty`); each table that lost some keeps the rest with one write.
+        Returns the blocks released, table by table in held order (the pool has freed them)."""
         if not tables:
             return NO_BLOCKS
         pool = tables[0].pool
@@ -169,7 +169,7 @@ class RelocationVerbs:
         helds = [table._held[start : table._num_held] for table, start in zip(tables, starts)]
         sizes = [table_held.size for table_held in helds]
         held = helds[0] if len(helds) == 1 else np.concatenate(helds)  # one table's: a view
-        kept, released, num_released = pool.release_empty(held, np.array(sizes, dtype=np.int64), free)
+        kept, released, num_released = pool.release_empty(held, np.array(sizes, dtype=np.int64))
         if not released.size:
             return NO_BLOCKS
         first_kept, end = 0, 0
