@@ -46,13 +46,17 @@ def test_json_equals_the_library_result():
     assert printed["variants"]["native"]["tokens_moved"] == 0
 
 
-def test_reclaim_budget_reaches_the_run_and_its_json():
+def test_the_reclaimers_cadence_reaches_the_run_and_its_json():
+    """--reclaim-budget, --reclaim-interval and --reclaim-batch-blocks: the run's config, and
+    its result equals the library's at that config."""
     args = [str(SAMPLE), *SMALL, "--no-sweep", "--no-frontier", "--json"]
-    budgeted = json.loads(invoke(*args, "--reclaim-budget", "64").stdout)
-    assert budgeted["config"]["reclaim"]["max_moves_per_step"] == 64
+    budgeted = json.loads(invoke(*args, "--reclaim-budget", "64", "--reclaim-interval", "1",
+                                 "--reclaim-batch-blocks", "8").stdout)
+    reclaim = budgeted["config"]["reclaim"]
+    assert (reclaim["max_moves_per_step"], reclaim["check_interval_steps"], reclaim["max_src_blocks"]) == (64, 1, 8)
     config = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
                               policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.25,
-                              seed=0, sim_profile=None, reclaim_budget="64")
+                              seed=0, sim_profile=None, reclaim_budget="64", reclaim_interval=1, reclaim_batch_blocks=8)
     options = CompareOptions((2, 8), with_sweep=False, with_frontier=False, concurrency=8)
     report = compare(load_trace(SAMPLE, max_requests=30), config, options, make_replayer("sim"), num_blocks=600)
     assert budgeted == json.loads(json.dumps(report_to_json(report)))

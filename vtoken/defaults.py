@@ -50,6 +50,7 @@ THETA_F = 0.25  # reclaim only when the pool's waste ratio F is at least this
 # check-invariants: low, so that many relocations run and every one of them is checked.
 CHECK_THETA_F = 0.05
 RECLAIM_INTERVAL_STEPS = 4  # reclaim eligibility is checked every this many engine iterations
+RECLAIM_BATCH_BLOCKS = 64  # B: source blocks one request's relocation plan takes at most
 # A lazy reclamation round moves at most this many tokens a step (one request's plan at least,
 # B x S = 1,024 tokens at most) and goes on at the next steps: about 0.6-1 ms of host
 # bookkeeping (bench_substrate.py), and for Llama-3.1-8B on an H100 a 0.2 ms copy, inside the

@@ -66,6 +66,10 @@ PARAMETERS: dict[str, Parameter] = {
                              lambda r, v: replace(r, spec=replace(r.spec, concurrency=v))),
     "num_blocks": _experiment("num_blocks"),
     "reclaim_mode": Parameter(lambda r: r.experiment.reclaim.mode, _reclaim("mode")),
+    "reclaim_budget": Parameter(lambda r: r.experiment.reclaim.max_moves_per_step, _reclaim("max_moves_per_step"),
+                                lambda moves: "none" if moves is None else moves),
+    "reclaim_interval": Parameter(lambda r: r.experiment.reclaim.check_interval_steps, _reclaim("check_interval_steps")),
+    "reclaim_batch_blocks": Parameter(lambda r: r.experiment.reclaim.max_src_blocks, _reclaim("max_src_blocks")),
 }
 
 

@@ -52,6 +52,9 @@ Seed = Annotated[int, typer.Option(
 EvictionInterval = Annotated[int, typer.Option(help="Run the policy after prefill and every N generated tokens.")]
 ReclaimMode = Annotated[str, typer.Option(help=f"vToken planning mode: {RECLAIM_MODE_NAMES}.")]
 ThetaF = Annotated[float, typer.Option("--theta-f", help="Reclaim only when the waste ratio F is at least this.")]
+ReclaimBudget = Annotated[str, typer.Option(help="Tokens a lazy reclamation round moves per step at most (one request's plan at least); a larger round goes on at the next steps. 'none': the whole round in the step it starts.")]
+ReclaimInterval = Annotated[int, typer.Option(help="Check whether a lazy reclamation round starts every N steps (k).")]
+ReclaimBatchBlocks = Annotated[int, typer.Option(help="Source blocks a relocation plan of one request takes at most (B).")]
 Concurrency = Annotated[int, typer.Option(help="Closed-loop clients.")]
 MaxRequests = Annotated[Optional[int], typer.Option(help="Replay only the first N requests.")]
 TraceFormat = Annotated[str, typer.Option("--format", help=f"Trace format: {TRACE_FORMAT_NAMES}.")]
@@ -208,6 +211,7 @@ def build_experiment(
     sim_profile: Path | None,
     reclaim_budget: str = str(defaults.RECLAIM_MOVES_PER_STEP),
     reclaim_interval: int = defaults.RECLAIM_INTERVAL_STEPS,
+    reclaim_batch_blocks: int = defaults.RECLAIM_BATCH_BLOCKS,
     scheduler: dict[str, object] | None = None,
 ) -> Experiment:
     """The `Experiment` of a command's flags; every bad flag is a ConfigError that names it.
@@ -222,7 +226,9 @@ def build_experiment(
     if not 0 < theta_f < 1:
         raise ConfigError(f"--theta-f must be in (0, 1), got {theta_f:g}")
     check_seed(seed)
-    check_positive({"--eviction-interval": eviction_interval})
+    check_positive({"--eviction-interval": eviction_interval, "--reclaim-interval": reclaim_interval})
+    if reclaim_batch_blocks < 2:
+        raise ConfigError(f"--reclaim-batch-blocks must be >= 2 (a plan empties a block into others), got {reclaim_batch_blocks}")
     moves_per_step = parse_reclaim_budget(reclaim_budget)
     model_spec = resolve_model(model)
     gpu_spec = resolve_gpu(gpu)
@@ -236,7 +242,7 @@ def build_experiment(
         block_size=block_size,
         eviction=EvictionConfig(resolve_policies([policy])[0], parse_budget(budget), eviction_interval),
         reclaim=ReclaimConfig(mode=reclaim_mode, theta_f=theta_f, check_interval_steps=reclaim_interval,
-                              max_moves_per_step=moves_per_step),
+                              max_src_blocks=reclaim_batch_blocks, max_moves_per_step=moves_per_step),
         scheduler=SchedulerConfig(**{**(load_scheduler_overrides(sim_profile) if sim_profile else {}),
                                      **(scheduler or {})}),
         seed=seed,

@@ -53,7 +53,7 @@ class ReclaimConfig:
     theta_f: float = defaults.THETA_F  # plan only when the pool's waste ratio F is at least this
     low_watermark_frac: float = 1.0  # ... and fewer than this fraction of blocks is free (1.0: always)
     check_interval_steps: int = defaults.RECLAIM_INTERVAL_STEPS  # k: eligibility is checked every k engine iterations
-    max_src_blocks: int = 64  # B: source blocks per plan
+    max_src_blocks: int = defaults.RECLAIM_BATCH_BLOCKS  # B: source blocks per plan
     headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
     # a lazy round launches plans that move at most this many tokens a step (one request's plan
     # at least) and goes on at the next steps; None: the whole round in the step it starts

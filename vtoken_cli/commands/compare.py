@@ -23,11 +23,11 @@ from vtoken.runners import make_runner
 from vtoken.trace import load_trace, within_context
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Executor, Force,
-    Gpu, GpuMemUtil, JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model,
-    NoCache, NumBlocks, Output, Policy, RayAddress, ReclaimMode, Rounds, Seed, SimProfilePath, ThetaF, TimeUnit,
-    Tokenizer, TraceFormat, Variants, Warmup, Workers, build_cache, build_experiment, build_tokenizer,
-    check_concurrency, parse_int_list, parse_variants, scheduler_flags,
+    BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Executor, Force, Gpu,
+    GpuMemUtil, JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NoCache,
+    NumBlocks, Output, Policy, RayAddress, ReclaimBatchBlocks, ReclaimBudget, ReclaimInterval, ReclaimMode, Rounds,
+    Seed, SimProfilePath, ThetaF, TimeUnit, Tokenizer, TraceFormat, Variants, Warmup, Workers, build_cache,
+    build_experiment, build_tokenizer, check_concurrency, parse_int_list, parse_variants, scheduler_flags,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.compare import compare_report, hf_report
@@ -48,7 +48,9 @@ def compare_command(
     concurrencies: Annotated[str, typer.Option(help="Concurrencies of the sweep and the frontier.")] = ",".join(map(str, defaults.CONCURRENCIES)),
     reclaim_mode: ReclaimMode = defaults.RECLAIM_MODE,
     theta_f: ThetaF = defaults.THETA_F,
-    reclaim_budget: Annotated[str, typer.Option(help="Tokens a lazy reclamation round moves per step at most (one request's plan at least); a larger round goes on at the next steps. 'none': the whole round in the step it starts.")] = str(defaults.RECLAIM_MOVES_PER_STEP),
+    reclaim_budget: ReclaimBudget = str(defaults.RECLAIM_MOVES_PER_STEP),
+    reclaim_interval: ReclaimInterval = defaults.RECLAIM_INTERVAL_STEPS,
+    reclaim_batch_blocks: ReclaimBatchBlocks = defaults.RECLAIM_BATCH_BLOCKS,
     eviction_interval: EvictionInterval = defaults.EVICTION_INTERVAL_TOKENS,
     sla_metric: Annotated[str, typer.Option(help="Latency the SLA is set on: e2e, ttft or tpot.")] = defaults.SLA_METRIC,
     sla_factor: Annotated[float, typer.Option(help="SLA = factor x naive-evict p95 at --sla-ref-concurrency.")] = defaults.SLA_FACTOR,
@@ -121,6 +123,7 @@ def compare_command(
         model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=gpu_mem_util, block_size=block_size,
         policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
         theta_f=theta_f, seed=seed, sim_profile=sim_profile, reclaim_budget=reclaim_budget,
+        reclaim_interval=reclaim_interval, reclaim_batch_blocks=reclaim_batch_blocks,
         scheduler=scheduler_flags(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                   chunked_prefill=chunked_prefill,
                                   long_prefill_token_threshold=long_prefill_token_threshold,

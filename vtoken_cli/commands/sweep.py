@@ -22,11 +22,11 @@ from vtoken.sweep import PARAMETERS, SweepOptions, SweepReport, Vary, num_progre
 from vtoken.trace import load_trace
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
-    BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Force, Gpu,
-    GpuMemUtil, JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NoCache,
-    NumBlocks, Output, Policy, RayAddress, ReclaimMode, Seed, SimProfilePath, ThetaF, TimeUnit, Tokenizer,
-    TraceFormat, Variants, Workers, build_cache, build_experiment, build_tokenizer, check_concurrency,
-    parse_variants, scheduler_flags,
+    BlockSize, Budget, CacheDir, ChunkedPrefill, Concurrency, EvictEveryChunk, EvictionInterval, Force, Gpu, GpuMemUtil,
+    JsonOut, LongPrefillTokenThreshold, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NoCache, NumBlocks, Output,
+    Policy, RayAddress, ReclaimBatchBlocks, ReclaimBudget, ReclaimInterval, ReclaimMode, Seed, SimProfilePath, ThetaF,
+    TimeUnit, Tokenizer, TraceFormat, Variants, Workers, build_cache, build_experiment, build_tokenizer,
+    check_concurrency, parse_variants, scheduler_flags,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.sweep import sweep_table
@@ -36,7 +36,8 @@ VARY_FLAGS = {
     "block_size": ("block_size", int), "budget": ("budget", str), "theta_f": ("theta_f", float),
     "policy": ("policy", str), "eviction_interval": ("eviction_interval", int), "model": ("model", str),
     "gpu": ("gpu", str), "concurrency": ("concurrency", int), "num_blocks": ("num_blocks", int),
-    "reclaim_mode": ("reclaim_mode", str),
+    "reclaim_mode": ("reclaim_mode", str), "reclaim_budget": ("reclaim_budget", str),
+    "reclaim_interval": ("reclaim_interval", int), "reclaim_batch_blocks": ("reclaim_batch_blocks", int),
 }
 assert set(VARY_FLAGS) == set(PARAMETERS)
 _KIND = {int: "an integer", float: "a number"}  # what a value that fails its conversion is not
@@ -58,6 +59,9 @@ def sweep_command(
     concurrency: Concurrency = defaults.CONCURRENCY,
     reclaim_mode: ReclaimMode = defaults.RECLAIM_MODE,
     theta_f: ThetaF = defaults.THETA_F,
+    reclaim_budget: ReclaimBudget = str(defaults.RECLAIM_MOVES_PER_STEP),
+    reclaim_interval: ReclaimInterval = defaults.RECLAIM_INTERVAL_STEPS,
+    reclaim_batch_blocks: ReclaimBatchBlocks = defaults.RECLAIM_BATCH_BLOCKS,
     eviction_interval: EvictionInterval = defaults.EVICTION_INTERVAL_TOKENS,
     seed: Seed = defaults.SEED,
     trace_format: TraceFormat = defaults.TRACE_FORMAT,
@@ -85,7 +89,8 @@ def sweep_command(
         check_output_dir(output, force)
     flags = dict(model=model, gpu=gpu, num_blocks=num_blocks, gpu_mem_util=gpu_mem_util, block_size=block_size,
                  policy=policy, budget=budget, eviction_interval=eviction_interval, reclaim_mode=reclaim_mode,
-                 theta_f=theta_f, concurrency=concurrency, seed=seed, sim_profile=sim_profile,
+                 theta_f=theta_f, reclaim_budget=reclaim_budget, reclaim_interval=reclaim_interval,
+                 reclaim_batch_blocks=reclaim_batch_blocks, concurrency=concurrency, seed=seed, sim_profile=sim_profile,
                  scheduler=scheduler_flags(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                            chunked_prefill=chunked_prefill,
                                            long_prefill_token_threshold=long_prefill_token_threshold,
