@@ -2,7 +2,8 @@
 
     python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
                                          [--landing same-step|next-step] [--replays N]
-                                         [--fit-budgets 256,512,1024,2048] [--replan-first] [--repeats N] [--wall]
+                                         [--fit-budgets 256,512,1024,2048] [--replan-first] [--warm-round-code]
+                                         [--repeats N] [--wall]
                                          [--json PATH]
 
 R concurrent requests with an L-token context, block size S = 16, one new token per request
@@ -54,6 +55,10 @@ usually that one, which ranks the round's requests and meets the round's code an
 after the ordinary steps since the last round. `--replan-first` plans that step's requests
 again right after its planning, timed apart: the same planning warm. It warms what the step's
 check and landing read as well, so their figures in that table read low with it.
+`--warm-round-code` (a diagnostic, for no figure but its own) runs the round's code, Python and
+compiled, on a small pool of its own after every step outside a round, untimed
+(engine/warmup.py): the first launching step then meets its code warm and only its data cold,
+which tells its code's cold start from its work.
 
 When a step's plans land: `--landing same-step` (the default) lands them in the step that
 launched them, as the runtime does with synchronous copies (the sim's executor, and the CPU
@@ -388,10 +393,11 @@ def replayed_worst_us(cycles: list[Cycle]) -> tuple[float, str]:
 
 
 def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int, cadence: str, num_repeats: int, clock,
-                  replan_first: bool = False, landing: str = "same-step", num_replays: int = 1) -> EvictRow:
+                  replan_first: bool = False, landing: str = "same-step", num_replays: int = 1,
+                  warm_round_code: bool = False) -> EvictRow:
     """The round cadences: a cycle's mean, its ordinary steps weighted by their number in it
     and every step of the round added (`time_cycle`); the others: the mean of
-    `num_window_steps` steps. `replan_first`: `EvictingRun.replan_first`; `landing`: its.
+    `num_window_steps` steps. `replan_first`, `landing`, `warm_round_code`: EvictingRun's.
     `num_replays` > 1 (round cadences): each repetition's cycle runs that many times in all,
     from the same seed, for its worst step replayed (`replayed_worst_us`)."""
     step_us = modelled_step_us(num_requests, context_tokens)
@@ -403,6 +409,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     def repetition(seed: int) -> EvictingRun:  # a repetition's run, and each of its replays
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=seed, clock=clock, landing=landing)
         run.replan_first = replan_first  # its first launching step does the same work in every replay
+        run.warm_round_code = warm_round_code
         return run
 
     for repeat_idx in range(num_repeats):
@@ -724,6 +731,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replan-first", action="store_true",
                         help="at a round's first launching step, plan its requests again right after its planning, timed "
                              "apart (what the same planning costs warm; the step's check and landing then read warm data too)")
+    parser.add_argument("--warm-round-code", action="store_true",
+                        help="a diagnostic: after every step outside a round, untimed, run the round's code on a small "
+                             "pool of its own (engine/warmup.py), so that a round's first launching step meets its code "
+                             "warm: what is left of its cost over the round's other steps is its work and its data")
     parser.add_argument("--landing", choices=LANDINGS, default="same-step",
                         help="when a step's launched plans land: same-step (synchronous copies, the sim's and the CPU "
                              "executors'), or next-step (asynchronous copies on a GPU: landed at the next step, before "
@@ -780,7 +791,8 @@ def main() -> None:
         growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
         paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
         evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock, args.replan_first,
-                                 args.landing, 1 if args.quick else args.replays) for cadence in args.cadences]
+                                 args.landing, 1 if args.quick else args.replays, args.warm_round_code)
+                   for cadence in args.cadences]
         if args.fit_budgets:
             try:
                 rows, fit = measure_budget_fit(num_requests, context_tokens, args.fit_budgets, num_repeats, clock)
@@ -828,6 +840,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"clock": clock.__name__, "block_size": BLOCK_SIZE, "num_sink_tokens": NUM_SINK_TOKENS,
+                       "warm_round_code": args.warm_round_code,
                        "num_recent_tokens": NUM_RECENT_TOKENS, "repeats": num_repeats,
                        "growth": [dict(asdict(r), ratio=r.ratio) for r in growth],
                        "evict": [dict(asdict(r), bookkeeping_us=r.bookkeeping_us, step_share=r.step_share,

@@ -27,6 +27,7 @@ import numpy as np
 from vtoken import defaults
 from vtoken.engine.executor import StepLoad
 from vtoken.engine.sim import SimExecutor, SimProfile
+from vtoken.engine.warmup import warm_compiled_loops
 from vtoken.hardware import resolve_gpu
 from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
@@ -221,6 +222,10 @@ class EvictingRun:
         # polls them before the next forward (Runtime.execute)
         self.landing = landing
         self.checked_at: dict[int, int] = {}  # a launched plan's table version at its check, by req_id
+        # a diagnostic: after every step outside a round, untimed, the round's code (Python and
+        # compiled) run on a small pool of its own (engine/warmup.py), so that a round's first
+        # launching step meets its code warm and only its data cold
+        self.warm_round_code = False
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -330,7 +335,10 @@ class EvictingRun:
         for table in self.tables:
             table.slots()
         self.step_idx += 1
-        return grown - started, evicted - landed, reclaimed - evicted + landed - grown, clock() - reclaimed
+        parts = grown - started, evicted - landed, reclaimed - evicted + landed - grown, clock() - reclaimed
+        if self.warm_round_code and not self.reclaimer.is_round_in_progress and not self.has_in_flight:
+            warm_compiled_loops()
+        return parts
 
     @property
     def has_in_flight(self) -> bool:

@@ -249,3 +249,26 @@ def test_a_cycle_names_its_steps_and_only_next_step_landing_has_a_step_that_only
     # the run's work after each step only grows, and the cycle moved tokens
     work = np.array(cycle.work)
     assert (np.diff(work, axis=0) >= 0).all() and work[-1, 0] > work[0, 0]
+
+
+def test_warming_the_round_code_changes_no_step_of_the_cycle() -> None:
+    """--warm-round-code runs the round's code on a pool of its own between the steps: the cycle
+    is the same steps doing the same work (the same kinds, moves and blocks freed), and it ran
+    (the warm-up was called at the steps outside a round, and only there)."""
+    bench = _bench_substrate()
+    calls = []
+    cycles = []
+    for warm in (False, True):
+        run = bench.warmed_run(8, 2048, "paced", 10_000.0, seed=1, clock=bench.time.process_time)
+        run.round_steps.clear()
+        run.warm_round_code = warm
+        workload = sys.modules[type(run).__module__]
+        warm_up = workload.warm_compiled_loops
+        workload.warm_compiled_loops = lambda: (calls.append(run.reclaimer.is_round_in_progress), warm_up())[1]
+        try:
+            cycles.append(bench.time_cycle(run))
+        finally:
+            workload.warm_compiled_loops = warm_up
+    assert cycles[0].kinds == cycles[1].kinds and cycles[0].work == cycles[1].work
+    assert calls and not any(calls)
+    assert len(calls) == cycles[1].kinds.count("ordinary") + 1  # after each of them, and after the step that ended the round
