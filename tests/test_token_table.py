@@ -376,12 +376,21 @@ def test_evict_one_each_takes_ids_of_any_layout_and_refuses_a_count_other_than_t
         assert_unchanged(table_before, table)
 
 
-def test_evict_one_each_refuses_a_table_given_twice() -> None:
+@pytest.mark.parametrize("fault", ["a table given twice", "a table of another pool"])
+def test_evict_one_each_refuses_tables_that_are_not_distinct_tables_of_one_pool(fault: str) -> None:
+    """Refused before anything is written: the tables, their pools and their arenas as before
+    (the check is the compiled loop's, by the tables' bases in the pool's arena)."""
     pool = make_pool()
-    table = make_table(pool, 10)
+    first = make_table(pool, 10)
+    second = first if fault == "a table given twice" else make_table(make_pool(), 10)
+    tables = [make_table(pool, 8, req_id=1), first, second]
+    before = [state(table) for table in tables]
+    arenas = [table.pool.token_arena.live.copy() for table in tables]
     with pytest.raises(VTokenError, match="distinct tables of one pool"):
-        TokenTable.evict_one_each([table, table], np.array([4, 5]))
-    assert table.num_live_tokens == 10
+        TokenTable.evict_one_each(tables, np.array([3, 4, 5]))
+    for table, table_before, arena in zip(tables, before, arenas):
+        assert_unchanged(table_before, table)
+        np.testing.assert_array_equal(table.pool.token_arena.live, arena)
 
 
 

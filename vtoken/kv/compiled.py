@@ -26,7 +26,8 @@ from vtoken.jit import njit
 from vtoken.kv.compiled_check import first_outside as _first_outside
 from vtoken.kv.compiled_check import round_passes  # noqa: F401 (its callers reach it here)
 from vtoken.kv.compiled_evict import (  # noqa: F401 (the evictions' loops: their callers reach them here)
-    DEAD_TOKEN, PINNED_TOKEN, REPEATED_TOKEN, UNKNOWN_TOKEN, change_live_counts, evict_one_each, evict_tokens,
+    DEAD_TOKEN, NOT_DISTINCT_TABLES, PINNED_TOKEN, REPEATED_TOKEN, UNKNOWN_TOKEN, change_live_counts, evict_one_each,
+    evict_tokens,
 )
 
 

@@ -80,6 +80,9 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
 
 # evict_tokens' refusals of the table's ids; the pool's (change_live_counts') follow, shifted by 4
 UNKNOWN_TOKEN, DEAD_TOKEN, PINNED_TOKEN, REPEATED_TOKEN = 1, 2, 3, 4
+# evict_one_each's refusal of its tables: two at one base of the arena (a table given twice), or
+# one of another pool (given the base -1)
+NOT_DISTINCT_TABLES = -1
 
 
 @njit
@@ -157,13 +160,21 @@ def evict_one_each(token_ids, num_tokens, num_pinned, bases, arena_live, arena_s
     less (change_live_counts, whose changes to the pool's counts it returns).
 
     Returns (per table, the block its eviction emptied or -1; the changes; 0; -1), or, having
-    written nothing: the first table whose id is outside [num_pinned[i], num_tokens[i]) or not
-    live, as (.., .., UNKNOWN_TOKEN, i) (the table names the reason), or the pool's refusal
+    written nothing: NOT_DISTINCT_TABLES when two tables share a base or one's is negative (of
+    another pool); the first table whose id is outside [num_pinned[i], num_tokens[i]) or not
+    live, as (.., .., UNKNOWN_TOKEN, i) (the table names the reason); or the pool's refusal
     (change_live_counts' reason + REPEATED_TOKEN) and the block it names."""
     num_tables = token_ids.size
     emptied = np.full(num_tables, -1, np.int64)
     changes = np.zeros(count_effects.shape[1], np.int64)
     block_ids = np.empty(num_tables, np.int64)
+    if num_tables:
+        ordered = np.sort(bases)
+        if ordered[0] < 0:
+            return emptied, changes, NOT_DISTINCT_TABLES, -1
+        for i in range(1, num_tables):
+            if ordered[i] == ordered[i - 1]:
+                return emptied, changes, NOT_DISTINCT_TABLES, -1
     for i in range(num_tables):
         t = token_ids[i]
         if not (num_pinned[i] <= t < num_tokens[i]) or not arena_live[bases[i] + t]:

@@ -74,13 +74,16 @@ class LiveCounts:
         tables' pending appends must be counted first. Returns (per table, the block its
         eviction emptied or -1; -1), or, having changed nothing, (-, the first table whose id
         is not a live token outside its pinned prefix), for the table to report; raises the
-        pool's own refusals."""
+        pool's own refusals, and, having changed nothing, tables that are not distinct tables of
+        this pool (two at one base, or one given the base -1)."""
         loops = compiled_loops()
         arena = self.token_arena
         emptied, changes, reason, culprit = loops.evict_one_each(
             token_ids, num_tokens, num_pinned, bases, arena.live, arena.slot, self._token_at, self.block_size,
             self._live_counts, self.ref_counts, self._count_effects, self.scratch("adjust_live delta", np.int64),
             self.scratch("adjust_live seen", bool))
+        if reason == loops.NOT_DISTINCT_TABLES:
+            raise VTokenError("evict_one_each needs distinct tables of one pool")
         if reason > loops.REPEATED_TOKEN:
             self._refuse_live_change(reason - loops.REPEATED_TOKEN, culprit)
         if reason:

@@ -70,12 +70,12 @@ class EvictionVerbs:
         if not tables:
             return np.zeros(0, dtype=np.int64)
         pool = tables[0].pool
-        if len({id(table) for table in tables}) != len(tables) or any(table.pool is not pool for table in tables):
-            raise VTokenError("evict_one_each needs distinct tables of one pool")
         num_tables = len(tables)
         lengths = np.fromiter([table.num_tokens for table in tables], np.int64, num_tables)
         num_pinned = np.fromiter([table.num_pinned_tokens for table in tables], np.int64, num_tables)
-        bases = np.fromiter([table._base for table in tables], np.int64, num_tables)
+        # where each table's tokens start in the pool's arena; a table of another pool has none
+        # there (-1): the compiled loop refuses it, and a table given twice (two at one base)
+        bases = np.fromiter([table._base if table.pool is pool else -1 for table in tables], np.int64, num_tables)
         tables[0].flush()  # the blocks' counts must be whole before they can tell whether they emptied
         emptied, refused = pool.remove_evicted_one_each(ids, lengths, num_pinned, bases)
         if refused >= 0:
