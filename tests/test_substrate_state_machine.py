@@ -154,6 +154,26 @@ class SubstrateMachine(RuleBasedStateMachine):
                 table.release_blocks(emptied)
                 self.pool.free(emptied)
 
+    @precondition(lambda self: self.tables)
+    @rule(seed=st.integers(0, 2**16))
+    def evict_across_the_batch(self, seed: int) -> None:
+        """A decode step's evictions: one token of every request with one to lose, in one call."""
+        rng = np.random.default_rng(seed)
+        tables, victims = [], []
+        for table in self.tables.values():
+            candidates = table.live_token_ids()
+            candidates = candidates[candidates >= table.num_pinned_tokens]
+            if candidates.size:
+                tables.append(table)
+                victims.append(int(rng.choice(candidates)))
+        if not tables:
+            return
+        emptied = TokenTable.evict_one_each(tables, np.array(victims, dtype=np.int64))
+        for table, block_id in zip(tables, emptied.tolist()):
+            if block_id >= 0 and table.req_id not in self.busy_req_ids():
+                table.release_blocks(np.array([block_id], dtype=np.int64))
+                self.pool.free(np.array([block_id], dtype=np.int64))
+
     @rule(mode=st.sampled_from(["hole-fill", "ordered"]), max_src_blocks=st.integers(2, 5))
     def plan_and_launch(self, mode: str, max_src_blocks: int) -> None:
         busy = self.busy_req_ids()
