@@ -806,7 +806,9 @@ def main() -> None:
     print("\ngrowth + slots(), no eviction (us per step, all requests)")
     print(format_growth(growth))
     print("\none eviction per request per step (us per step, all requests; step ms: the modelled decode step; plans land "
-          + ("at the step that launched them)" if args.landing == "same-step" else "at the next step, before its evictions)"))
+          + ("at the step that launched them" if args.landing == "same-step" else "at the next step, before its evictions")
+          + ("; --warm-round-code: the round's code run on a pool of its own after every step outside a round, untimed, a "
+             "diagnostic)" if args.warm_round_code else ")"))
     print(format_evict(evicts))
     print("check_plan alone (a round's I4 check plan by plan, as when plans_pass finds something; "
           "not in the figures above), us per plan: "

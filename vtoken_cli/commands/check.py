@@ -24,7 +24,7 @@ from vtoken.trace import load_trace
 from vtoken_cli.console import stderr, stdout
 from vtoken_cli.options import (
     EXECUTORS, MODEL_NAMES, POLICY_NAMES, RECLAIM_MODE_NAMES, Budget, Concurrency, EvictionInterval, Force, Gpu, JsonOut,
-    Output, Seed, ThetaF, TraceFormat, build_experiment, check_concurrency, resolve_policies,
+    Output, ReclaimInterval, Seed, ThetaF, TraceFormat, build_experiment, check_concurrency, resolve_policies,
 )
 from vtoken_cli.output import check_output_dir, json_writer, progress_bar, write_output_dir
 from vtoken_cli.render.check import check_report
@@ -69,8 +69,7 @@ def check_command(
     eviction_interval: EvictionInterval = defaults.EVICTION_INTERVAL_TOKENS,
     concurrency: Concurrency = defaults.CHECK_CONCURRENCY,
     theta_f: ThetaF = defaults.CHECK_THETA_F,
-    reclaim_interval: Annotated[int, typer.Option(
-        help="Check reclaim eligibility every N iterations.")] = defaults.CHECK_RECLAIM_INTERVAL_STEPS,
+    reclaim_interval: ReclaimInterval = defaults.CHECK_RECLAIM_INTERVAL_STEPS,
     max_requests: Annotated[Optional[int], typer.Option(
         help=f"Replay the first N requests of each trace (0: all). Default {SIM_LIMITS.max_requests} "
              f"(hf: {HF_LIMITS.max_requests}).", show_default=False)] = None,
@@ -112,8 +111,6 @@ def check_command(
     )
     if output is not None:
         check_output_dir(output, force)
-    if reclaim_interval <= 0:
-        raise ConfigError(f"--reclaim-interval must be > 0 iterations, got {reclaim_interval}")
     experiment = build_experiment(  # the executor's --model replaces defaults.MODEL's geometry where it runs one
         model=defaults.MODEL, gpu=gpu, num_blocks=num_blocks,
         gpu_mem_util=defaults.GPU_MEMORY_UTILIZATION, block_size=block_size or defaults.BLOCK_SIZE,
