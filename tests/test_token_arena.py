@@ -43,6 +43,22 @@ def test_the_tables_of_a_pool_keep_their_tokens_in_its_arena() -> None:
     assert pool.token_arena.live[first._base + np.array([0, 1, 2])].tolist() == [True, False, True]  # token 1 died
 
 
+def test_bases_name_where_each_tables_tokens_start_and_no_place_for_another_pools() -> None:
+    """What the compiled loops over many tables take: token t of table k at bases[k] + t; -1
+    for a table of another pool, whose range is in its own arena; the bases follow a range the
+    arena moved."""
+    pool = BlockPool(64, S)
+    pool.token_arena = TokenArena(20)
+    first, second = grown(TokenTable(0, pool, capacity=8), 7), grown(TokenTable(1, pool, capacity=8), 5)
+    stranger = grown(TokenTable(2, BlockPool(16, S), capacity=8), 3)
+    assert pool.token_arena.bases([second, stranger, first]).tolist() == [8, -1, 0]
+    grown(first, 12)  # outgrows its range: the arena moves every range
+    bases = pool.token_arena.bases([first, second])
+    assert bases.tolist() == [first._base, second._base] and bases.tolist() != [0, 8]
+    for table, base in zip((first, second), bases.tolist()):
+        assert pool.token_arena.live[base : base + table.num_tokens].tolist() == table.live_mask.tolist()
+
+
 def test_running_out_of_room_moves_the_live_tables_and_drops_the_finished_ones() -> None:
     pool = BlockPool(256, S)
     pool.token_arena = TokenArena(56)

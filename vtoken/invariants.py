@@ -227,7 +227,7 @@ def plans_pass(plans: Sequence[RelocationPlan], tables: Sequence[TokenTable], po
     return compiled_loops().round_passes(
         num_plans, np.fromiter([table.num_tokens for table in tables], np.int64, num_plans), token_ids, move_of,
         moves.src_block_ids, moves.src_offsets, moves.dst_block_ids, moves.dst_offsets,
-        np.fromiter([table._base for table in tables], np.int64, num_plans), arena.live, arena.slot, sources, source_of,
+        arena.bases(tables), arena.live, arena.slot, sources, source_of,
         new_blocks, new_of, held_blocks, held_ends, pinned, open_tails, pool.ref_counts,
         pool.live_counts, pool.token_at, *(pool.scratch(name, np.int64) for name in ("plans_pass holder", "plans_pass source",
                                                                                       "plans_pass new", "plans_pass taken")),

@@ -147,10 +147,15 @@ class BlockPool(LiveCounts):
             self.num_live_tokens += self._set_live(with_live, np.zeros(with_live.size, dtype=np.int32))
             # the reverse map names live tokens only (I2): a block without one has nothing to clear
             self._token_at[block_slots(with_live, self.block_size)] = -1
+        self._hand_back(released)
+
+    def _hand_back(self, released: np.ndarray) -> None:
+        """Blocks left without a reference and without a live token (ascending) join the free
+        list: out of the histogram's lowest bin and the <= 50% count, into the free bin; in
+        reverse, so that the lowest id of a batch is handed out first next time."""
         self._histogram[0] -= released.size
         self._histogram[NUM_HISTOGRAM_BINS] += released.size
         self._num_blocks_le_half -= released.size
-        # released in reverse so that the lowest id of a batch is handed out first next time
         self._free_ids.extend(released[::-1].tolist())
 
     def release_empty(self, held: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -171,10 +176,7 @@ class BlockPool(LiveCounts):
         if reason == 3:
             raise VTokenError(f"free() got repeated block ids [{block_id}]")
         if freed.size:
-            self._histogram[0] -= freed.size
-            self._histogram[NUM_HISTOGRAM_BINS] += freed.size
-            self._num_blocks_le_half -= freed.size
-            self._free_ids.extend(freed[::-1].tolist())  # as `free` does: the lowest id handed out first
+            self._hand_back(freed)  # as `free` does
         return kept, released, num_released
 
     def _free_one(self, block_id: int) -> None:

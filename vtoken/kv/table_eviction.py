@@ -73,9 +73,9 @@ class EvictionVerbs:
         num_tables = len(tables)
         lengths = np.fromiter([table.num_tokens for table in tables], np.int64, num_tables)
         num_pinned = np.fromiter([table.num_pinned_tokens for table in tables], np.int64, num_tables)
-        # where each table's tokens start in the pool's arena; a table of another pool has none
-        # there (-1): the compiled loop refuses it, and a table given twice (two at one base)
-        bases = np.fromiter([table._base if table.pool is pool else -1 for table in tables], np.int64, num_tables)
+        # a table of another pool has no base in this pool's arena (-1): the compiled loop
+        # refuses it, and a table given twice (two at one base)
+        bases = pool.token_arena.bases(tables)
         tables[0].flush()  # the blocks' counts must be whole before they can tell whether they emptied
         emptied, refused = pool.remove_evicted_one_each(ids, lengths, num_pinned, bases)
         if refused >= 0:

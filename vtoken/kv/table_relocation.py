@@ -85,7 +85,7 @@ class RelocationVerbs:
             all_moves, move_of = Moves.joined([table_moves for _, table_moves, _ in work])
         token_ids = all_moves.token_ids
         arena = pool.token_arena
-        bases = np.fromiter([table._base for table, _, _ in work], np.int64, len(work))
+        bases = arena.bases([table for table, _, _ in work])
         # the pool's side and the tables' slots in one loop; a token evicted while its copy was
         # in flight is repointed without live-count changes (a table still at its checked
         # version has every moved token live)

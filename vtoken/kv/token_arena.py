@@ -22,6 +22,7 @@ that appending a token need not write its bit.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +48,12 @@ class TokenArena:
         self.end += num_entries
         self._tables.add(table)
         return base
+
+    def bases(self, tables: Sequence[TokenTable]) -> np.ndarray:
+        """Where each table's tokens start here (int64), -1 for a table whose range is in
+        another arena (another pool's): what the compiled loops over many tables' tokens take,
+        token t of table k at bases[k] + t."""
+        return np.fromiter([table._base if table._arena is self else -1 for table in tables], np.int64, len(tables))
 
     def _compact(self, num_entries_needed: int) -> None:
         tables = list(self._tables)
