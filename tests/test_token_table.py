@@ -589,10 +589,26 @@ def test_apply_moves_each_repoints_the_tokens_evicted_in_flight_of_one_table_as_
     assert together[1].pool.live_counts[3:6].tolist() == [4, 4, 2]
 
 
-def test_apply_moves_each_needs_distinct_tables() -> None:
-    first, _ = two_holey_tables()
-    with pytest.raises(VTokenError, match="distinct tables of one pool"):
-        TokenTable.apply_moves_each([first, first], [make_moves(FIRST_MOVES[:1]), make_moves(FIRST_MOVES[1:])], [None, None])
+@pytest.mark.parametrize("fault", ["a table given twice", "a table of another pool"])
+def test_apply_moves_each_refuses_tables_that_are_not_distinct_tables_of_one_pool(fault: str) -> None:
+    """Refused before anything is written: the tables, their pools and their arenas as before
+    (the check is the compiled landing's, by the tables' bases in the pool's arena, as the
+    batched eviction's)."""
+    first, second = two_holey_tables()
+    if fault == "a table given twice":
+        tables, moves = [first, first], [make_moves(FIRST_MOVES[:1]), make_moves(FIRST_MOVES[1:])]
+    else:
+        second = two_holey_tables()[1]  # the same layout in a pool of its own
+        tables, moves = [first, second], [make_moves(FIRST_MOVES), make_moves(SECOND_MOVES)]
+    before, before_pools = [state(table) for table in tables], [pool_state(table.pool) for table in tables]
+    arenas = [table.pool.token_arena.slot.copy() for table in tables]
+    with pytest.raises(VTokenError, match="apply_moves_each needs distinct tables of one pool"):
+        TokenTable.apply_moves_each(tables, moves, [table.layout_version for table in tables])
+    for table, table_before, pool_before, arena in zip(tables, before, before_pools, arenas):
+        assert_unchanged(table_before, table)
+        for a, b in zip(pool_before, pool_state(table.pool), strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(table.pool.token_arena.slot, arena)
 
 
 def test_adopt_blocks_puts_relocation_destinations_before_the_tail() -> None:

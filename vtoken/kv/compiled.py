@@ -29,6 +29,7 @@ from vtoken.kv.compiled_evict import (  # noqa: F401 (the evictions' loops: thei
     DEAD_TOKEN, NOT_DISTINCT_TABLES, PINNED_TOKEN, REPEATED_TOKEN, UNKNOWN_TOKEN, change_live_counts, evict_one_each,
     evict_tokens,
 )
+from vtoken.kv.compiled_evict import are_distinct_tables as _are_distinct_tables
 
 
 @njit
@@ -224,11 +225,15 @@ def land_moves(token_ids, move_of, num_tables, bases, src_blocks, src_offsets, d
     returns) and in the reverse map (every source cleared first: a destination may be another
     move's source); every moved token's slot, live or evicted while its copy was in flight,
     becomes its destination. Returns (per table, whether it moved a live token; the changes;
-    0; -1), or, writing nothing, change_live_counts' refusal and the block it names."""
+    0; -1), or, writing nothing, NOT_DISTINCT_TABLES when the tables are not distinct tables of
+    the pool (compiled_evict.are_distinct_tables of their bases), or change_live_counts' refusal and the
+    block it names."""
     num_moves = token_ids.size
     blocks = np.empty(2 * num_moves, np.int64)
     deltas = np.empty(2 * num_moves, np.int64)
     has_live = np.zeros(num_tables, np.bool_)
+    if not _are_distinct_tables(bases):
+        return has_live, np.zeros(count_effects.shape[1], np.int64), NOT_DISTINCT_TABLES, -1
     at = np.empty(num_moves, np.int64)  # each moved token's entry in the arena
     for i in range(num_moves):
         at[i] = bases[move_of[i]] + token_ids[i]

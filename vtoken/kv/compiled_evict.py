@@ -80,9 +80,24 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
 
 # evict_tokens' refusals of the table's ids; the pool's (change_live_counts') follow, shifted by 4
 UNKNOWN_TOKEN, DEAD_TOKEN, PINNED_TOKEN, REPEATED_TOKEN = 1, 2, 3, 4
-# evict_one_each's refusal of its tables: two at one base of the arena (a table given twice), or
-# one of another pool (given the base -1)
+# the refusal of tables that are not distinct tables of one pool (evict_one_each, land_moves):
+# two at one base of the arena (a table given twice), or one of another pool (given the base -1)
 NOT_DISTINCT_TABLES = -1
+
+
+@njit
+def are_distinct_tables(bases):
+    """Whether tables whose tokens start at `bases` in a pool's arena (TokenArena.bases) are
+    distinct tables of that pool: no base negative (another pool's table), no two equal."""
+    if bases.size == 0:
+        return True
+    ordered = np.sort(bases)
+    if ordered[0] < 0:
+        return False
+    for i in range(1, ordered.size):
+        if ordered[i] == ordered[i - 1]:
+            return False
+    return True
 
 
 @njit
@@ -168,13 +183,8 @@ def evict_one_each(token_ids, num_tokens, num_pinned, bases, arena_live, arena_s
     emptied = np.full(num_tables, -1, np.int64)
     changes = np.zeros(count_effects.shape[1], np.int64)
     block_ids = np.empty(num_tables, np.int64)
-    if num_tables:
-        ordered = np.sort(bases)
-        if ordered[0] < 0:
-            return emptied, changes, NOT_DISTINCT_TABLES, -1
-        for i in range(1, num_tables):
-            if ordered[i] == ordered[i - 1]:
-                return emptied, changes, NOT_DISTINCT_TABLES, -1
+    if not are_distinct_tables(bases):
+        return emptied, changes, NOT_DISTINCT_TABLES, -1
     for i in range(num_tables):
         t = token_ids[i]
         if not (num_pinned[i] <= t < num_tokens[i]) or not arena_live[bases[i] + t]:

@@ -98,11 +98,15 @@ class LiveCounts:
         written in one compiled loop (kv/compiled.py, `land_moves`): the moved live tokens'
         live counts and reverse-map entries, and every moved token's slot in the arena (table
         k's entries start at `bases[k]`). Returns, per table, whether it moved a live token; raises, having
-        changed nothing, the pool's refusals."""
-        has_live, changes, reason, block_id = compiled_loops().land_moves(
+        changed nothing, the pool's refusals, and tables that are not distinct tables of this
+        pool (two at one base, or one given the base -1)."""
+        loops = compiled_loops()
+        has_live, changes, reason, block_id = loops.land_moves(
             token_ids, move_of, num_tables, bases, src_blocks, src_offsets, dst_blocks, dst_offsets, arena_live, arena_slot,
             self._token_at, self.block_size, self._live_counts, self.ref_counts, self._count_effects,
             self.scratch("adjust_live delta", np.int64), self.scratch("adjust_live seen", bool))
+        if reason == loops.NOT_DISTINCT_TABLES:
+            raise VTokenError("apply_moves_each needs distinct tables of one pool")
         if reason:
             self._refuse_live_change(reason, block_id)
         self.num_live_tokens += self._add_to_counts(changes.tolist())

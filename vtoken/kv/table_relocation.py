@@ -71,8 +71,6 @@ class RelocationVerbs:
         if not work:
             return
         pool = work[0][0].pool
-        if len(work) > 1 and (len({id(table) for table, _, _ in work}) != len(work) or any(table.pool is not pool for table, _, _ in work)):
-            raise VTokenError("apply_moves_each needs distinct tables of one pool")
         pool.flush_deferred()  # every table's tail in the reverse map before a check reads it
         for table, table_moves, version in work:
             if version != table.layout_version:
@@ -85,6 +83,8 @@ class RelocationVerbs:
             all_moves, move_of = Moves.joined([table_moves for _, table_moves, _ in work])
         token_ids = all_moves.token_ids
         arena = pool.token_arena
+        # a table of another pool has no base in this pool's arena (-1): the compiled loop
+        # refuses it, and a table given twice (two at one base), before it writes anything
         bases = arena.bases([table for table, _, _ in work])
         # the pool's side and the tables' slots in one loop; a token evicted while its copy was
         # in flight is repointed without live-count changes (a table still at its checked
