@@ -689,23 +689,29 @@ def test_release_empty_blocks_each_is_release_blocks_of_the_empty_ones_then_free
     assert by_call[0].pool.ref_counts[3] == (1 if shared_block else 0)
 
 
-@pytest.mark.parametrize("fault", ["double free", "repeated"])
+@pytest.mark.parametrize("fault", ["double free", "a table given twice", "a table of another pool"])
 def test_release_empty_blocks_each_refuses_changing_nothing(fault: str) -> None:
-    """A block without a reference among those to free, or one named twice (a table given
-    twice): the pool's refusal, raised before a table or the pool changes."""
+    """A block without a reference among those to free, a table given twice, or a table of
+    another pool (whose blocks would be read against this pool's counts and freed in it):
+    refused before a table or either pool changes."""
     tables = four_tables_that_lost_blocks_in_flight()
     pool = tables[0].pool
     if fault == "double free":
         pool.ref_counts[5] = 0  # as if freed already
-    else:
+        message = "double free of blocks \\[5\\]"
+    elif fault == "a table given twice":
         tables = [tables[0], tables[0]]
-    before, before_pool = [state(table) for table in tables], pool_state(pool)
-    with pytest.raises(VTokenError, match="double free of blocks \\[5\\]" if fault == "double free" else "repeated block ids \\[1\\]"):
+        message = "release_empty_blocks_each needs distinct tables of one pool"
+    else:
+        tables = [tables[0], four_tables_that_lost_blocks_in_flight()[2]]  # the same layout in a pool of its own
+        message = "release_empty_blocks_each needs distinct tables of one pool"
+    before, before_pools = [state(table) for table in tables], [pool_state(table.pool) for table in tables]
+    with pytest.raises(VTokenError, match=message):
         TokenTable.release_empty_blocks_each(tables)
-    for table, table_before in zip(tables, before):
+    for table, table_before, pool_before in zip(tables, before, before_pools):
         assert_unchanged(table_before, table)
-    for a, b in zip(before_pool, pool_state(pool), strict=True):
-        np.testing.assert_array_equal(a, b)
+        for a, b in zip(pool_before, pool_state(table.pool), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @settings(max_examples=60, deadline=None)

@@ -158,17 +158,23 @@ class BlockPool(LiveCounts):
         self._num_blocks_le_half -= released.size
         self._free_ids.extend(released[::-1].tolist())
 
-    def release_empty(self, held: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Of tables' held blocks (`held`, end to end, `sizes[k]` of table k: int64), split off
+    def release_empty(self, held: np.ndarray, sizes: np.ndarray, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Of tables' held blocks (`held`, end to end, `sizes[k]` of table k: int64; `bases[k]`
+        where table k's tokens start in this pool's arena, TokenArena.bases), split off
         those without a live token and free them, in one compiled pass
         (compiled.release_empty_blocks), as `free` of them does (the same checks, raising
         having changed nothing, and the same result; they hold no live token, so there is none
         to forget). Returns the blocks kept, in order; those split off, table by table in
         order; and how many of each table's they are (int64). A landing's release and free in
         one call, where the two took some thirty numpy calls
-        (`TokenTable.release_empty_blocks_each`)."""
-        kept, released, num_released, freed, reason, block_id = compiled_loops().release_empty_blocks(
-            held, sizes, self.live_counts, self.ref_counts)
+        (`TokenTable.release_empty_blocks_each`). Tables that are not distinct tables of this
+        pool (two at one base, or one given the base -1) are refused too, before anything is
+        written."""
+        loops = compiled_loops()
+        kept, released, num_released, freed, reason, block_id = loops.release_empty_blocks(
+            held, sizes, bases, self.live_counts, self.ref_counts)
+        if reason == loops.NOT_DISTINCT_TABLES:
+            raise VTokenError("release_empty_blocks_each needs distinct tables of one pool")
         if reason == 1:
             raise VTokenError(f"release of block ids out of range [0, {self.num_blocks}): [{block_id}]")
         if reason == 2:

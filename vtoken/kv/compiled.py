@@ -167,19 +167,23 @@ def movable_blocks(held, sizes, ref_counts, live_counts, block_size):
 
 
 @njit
-def release_empty_blocks(held, sizes, live_counts, ref_counts):
+def release_empty_blocks(held, sizes, bases, live_counts, ref_counts):
     """The blocks without a live token among tables' held blocks, held[...] end to end, sizes[k]
     of table k (TokenTable.release_empty_blocks_each), released and freed: one reference less
     on each, as BlockPool.free drops it. Returns the others, in order (what the tables keep),
     those, table by table in order, how many of each table's they are, and, ascending, the ones
     left without a reference (for the pool's free list); then 0 and -1, or, having written
-    nothing, a reason and the block it names: 1 a block outside the pool, 2 a block without a
-    reference, 3 a block named twice."""
+    nothing, a reason and the block it names: NOT_DISTINCT_TABLES when the tables are not
+    distinct tables of the pool (compiled_evict.are_distinct_tables of their `bases` in its
+    arena: another pool's blocks would be read against this pool's counts), 1 a block outside
+    the pool, 2 a block without a reference, 3 a block named twice."""
     num_tables = sizes.size
     kept = np.empty(held.size, np.int64)
     released = np.empty(held.size, np.int64)
     num_released = np.zeros(num_tables, np.int64)
     no_blocks = np.empty(0, np.int64)
+    if not _are_distinct_tables(bases):
+        return kept[:0], released[:0], num_released, no_blocks, NOT_DISTINCT_TABLES, -1
     i = _first_outside(held, live_counts.size)
     if i >= 0:
         return kept[:0], released[:0], num_released, no_blocks, 1, held[i]

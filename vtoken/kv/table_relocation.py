@@ -161,7 +161,9 @@ class RelocationVerbs:
         round that landed together): every table's blocks past its pinned prefix read against
         the pool's live counts, and those without a live token freed, in one compiled pass
         (`BlockPool.release_empty`); each table that lost some keeps the rest with one write.
-        Returns the blocks released, table by table in held order (the pool has freed them)."""
+        Returns the blocks released, table by table in held order (the pool has freed them).
+        Raises, changing nothing, for tables that are not distinct tables of one pool, as
+        `apply_moves_each` does."""
         if not tables:
             return NO_BLOCKS
         pool = tables[0].pool
@@ -169,7 +171,9 @@ class RelocationVerbs:
         helds = [table._held[start : table._num_held] for table, start in zip(tables, starts)]
         sizes = [table_held.size for table_held in helds]
         held = helds[0] if len(helds) == 1 else np.concatenate(helds)  # one table's: a view
-        kept, released, num_released = pool.release_empty(held, np.array(sizes, dtype=np.int64))
+        # a table of another pool has no base in this pool's arena (-1), and a table given
+        # twice shares one: the compiled pass refuses both before it writes anything
+        kept, released, num_released = pool.release_empty(held, np.array(sizes, dtype=np.int64), pool.token_arena.bases(tables))
         if not released.size:
             return NO_BLOCKS
         first_kept, end = 0, 0
