@@ -16,7 +16,7 @@ from vtoken.jit import njit
 
 
 @njit
-def _ascending(values):
+def ascending(values):
     """Each value above the one before it."""
     for i in range(1, values.size):
         if values[i] <= values[i - 1]:
@@ -27,7 +27,7 @@ def _ascending(values):
 @njit
 def _is_distinct(values):
     """No value repeats (one pass when they ascend, as the plans' usually do; else a sort)."""
-    if _ascending(values):
+    if ascending(values):
         return True
     ordered = np.sort(values)
     for j in range(1, ordered.size):
@@ -106,7 +106,7 @@ def round_passes(num_plans, num_tokens, token_ids, move_of, src_blocks, src_offs
         at = bases[plan] + token_id
         if not arena_live[at] or arena_slot[at] != src_blocks[i] * block_size + src_offsets[i]:
             return False
-    keys_ascend = _ascending(move_keys)  # the usual round: plan after plan, each its tokens ascending
+    keys_ascend = ascending(move_keys)  # the usual round: plan after plan, each its tokens ascending
     if not (keys_ascend or _is_distinct(move_keys)):
         return False
     # one label per block: the plan whose table holds it, whose sources or fresh blocks it is in

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.jit import njit
+from vtoken.kv.compiled_check import ascending as _ascending
 from vtoken.kv.compiled_check import first_outside as _first_outside
 
 
@@ -75,7 +76,8 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
         if new == 0:
             emptied[num_emptied] = b
             num_emptied += 1
-    return np.sort(emptied[:num_emptied]), changes, 0, -1
+    emptied = emptied[:num_emptied]
+    return (emptied if _ascending(emptied) else np.sort(emptied)), changes, 0, -1
 
 
 # evict_tokens' refusals of the table's ids; the pool's (change_live_counts') follow, shifted by 4
@@ -91,7 +93,7 @@ def are_distinct_tables(bases):
     distinct tables of that pool: no base negative (another pool's table), no two equal."""
     if bases.size == 0:
         return True
-    ordered = np.sort(bases)
+    ordered = bases if _ascending(bases) else np.sort(bases)
     if ordered[0] < 0:
         return False
     for i in range(1, ordered.size):
