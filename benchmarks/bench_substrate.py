@@ -2,7 +2,8 @@
 
     python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
                                          [--landing same-step|next-step] [--replays N]
-                                         [--fit-budgets 256,512,1024,2048] [--replan-first] [--warm-round-code]
+                                         [--fit-budgets 256,512,1024,2048] [--replan-first]
+                                         [--warm-round-code [verbs|compiled]] [--sweep-mb MB]
                                          [--repeats N] [--wall]
                                          [--json PATH]
 
@@ -58,7 +59,12 @@ check and landing read as well, so their figures in that table read low with it.
 `--warm-round-code` (a diagnostic, for no figure but its own) runs the round's code, Python and
 compiled, on a small pool of its own after every step outside a round, untimed
 (engine/warmup.py): the first launching step then meets its code warm and only its data cold,
-which tells its code's cold start from its work.
+which tells its code's cold start from its work; `--warm-round-code compiled` makes only the
+round's four compiled calls again there (planning, the I4 check, landing, release: those the
+warm-up made, on copies of their arrays), which tells the compiled code's share of that cold
+start from the Python's. `--sweep-mb MB` (a diagnostic too) writes a buffer of MB megabytes of
+its own after every step, untimed, as the host's other work between two steps evicts its data
+caches (with MB above the L2 cache, every step meets its data there cold).
 
 When a step's plans land: `--landing same-step` (the default) lands them in the step that
 launched them, as the runtime does with synchronous copies (the sim's executor, and the CPU
@@ -104,8 +110,8 @@ from typing import NamedTuple
 import numpy as np
 from substrate_workload import (
     BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, RoundStep, choose_victims, grow_one,
-    LANDINGS, ROUND_CADENCES, budgeted_config, make_tables, modelled_step_us, num_pool_blocks, paced_moves_per_step,
-    reclaim_config,
+    LANDINGS, ROUND_CADENCES, WARMINGS, budgeted_config, make_tables, modelled_step_us, num_pool_blocks,
+    paced_moves_per_step, reclaim_config,
 )
 
 from vtoken.invariants import check_plan
@@ -394,10 +400,11 @@ def replayed_worst_us(cycles: list[Cycle]) -> tuple[float, str]:
 
 def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int, cadence: str, num_repeats: int, clock,
                   replan_first: bool = False, landing: str = "same-step", num_replays: int = 1,
-                  warm_round_code: bool = False) -> EvictRow:
+                  warm_round_code: str | None = None, sweep_mb: int = 0) -> EvictRow:
     """The round cadences: a cycle's mean, its ordinary steps weighted by their number in it
     and every step of the round added (`time_cycle`); the others: the mean of
-    `num_window_steps` steps. `replan_first`, `landing`, `warm_round_code`: EvictingRun's.
+    `num_window_steps` steps. `replan_first`, `landing`, `warm_round_code`: EvictingRun's; `sweep_mb`:
+    its sweep_bytes, in megabytes.
     `num_replays` > 1 (round cadences): each repetition's cycle runs that many times in all,
     from the same seed, for its worst step replayed (`replayed_worst_us`)."""
     step_us = modelled_step_us(num_requests, context_tokens)
@@ -410,6 +417,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
         run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=seed, clock=clock, landing=landing)
         run.replan_first = replan_first  # its first launching step does the same work in every replay
         run.warm_round_code = warm_round_code
+        run.sweep_bytes = sweep_mb << 20
         return run
 
     for repeat_idx in range(num_repeats):
@@ -731,10 +739,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replan-first", action="store_true",
                         help="at a round's first launching step, plan its requests again right after its planning, timed "
                              "apart (what the same planning costs warm; the step's check and landing then read warm data too)")
-    parser.add_argument("--warm-round-code", action="store_true",
+    parser.add_argument("--warm-round-code", nargs="?", const="verbs", choices=WARMINGS,
                         help="a diagnostic: after every step outside a round, untimed, run the round's code on a small "
-                             "pool of its own (engine/warmup.py), so that a round's first launching step meets its code "
-                             "warm: what is left of its cost over the round's other steps is its work and its data")
+                             "pool of its own, so that a round's first launching step meets its code warm: what is left "
+                             "of its cost over the round's other steps is its work and its data; verbs (the default): "
+                             "through the substrate's verbs, Python and compiled (engine/warmup.py); compiled: the "
+                             "round's four compiled calls alone")
+    parser.add_argument("--sweep-mb", type=int, default=0, metavar="MB",
+                        help="a diagnostic: after every step, untimed, write a buffer of MB megabytes of its own, as the "
+                             "host's other work between two steps evicts its data caches")
     parser.add_argument("--landing", choices=LANDINGS, default="same-step",
                         help="when a step's launched plans land: same-step (synchronous copies, the sim's and the CPU "
                              "executors'), or next-step (asynchronous copies on a GPU: landed at the next step, before "
@@ -754,6 +767,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--repeats must be > 0, got {args.repeats}")
     if args.replays <= 0:
         parser.error(f"--replays must be > 0, got {args.replays}")
+    if args.sweep_mb < 0:
+        parser.error(f"--sweep-mb must be >= 0, got {args.sweep_mb}")
     if args.fit_budgets is not None:
         try:
             args.fit_budgets = [int(b) for b in args.fit_budgets.split(",")]
@@ -791,7 +806,7 @@ def main() -> None:
         growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
         paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
         evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock, args.replan_first,
-                                 args.landing, 1 if args.quick else args.replays, args.warm_round_code)
+                                 args.landing, 1 if args.quick else args.replays, args.warm_round_code, args.sweep_mb)
                    for cadence in args.cadences]
         if args.fit_budgets:
             try:
@@ -807,8 +822,10 @@ def main() -> None:
     print(format_growth(growth))
     print("\none eviction per request per step (us per step, all requests; step ms: the modelled decode step; plans land "
           + ("at the step that launched them" if args.landing == "same-step" else "at the next step, before its evictions")
-          + ("; --warm-round-code: the round's code run on a pool of its own after every step outside a round, untimed, a "
-             "diagnostic)" if args.warm_round_code else ")"))
+          + (f"; --warm-round-code {args.warm_round_code}: the round's code run on a pool of its own after every step "
+             "outside a round, untimed, a diagnostic" if args.warm_round_code else "")
+          + (f"; --sweep-mb {args.sweep_mb}: a buffer of its own written after every step, untimed, a diagnostic"
+             if args.sweep_mb else "") + ")")
     print(format_evict(evicts))
     print("check_plan alone (a round's I4 check plan by plan, as when plans_pass finds something; "
           "not in the figures above), us per plan: "
@@ -842,7 +859,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"clock": clock.__name__, "block_size": BLOCK_SIZE, "num_sink_tokens": NUM_SINK_TOKENS,
-                       "warm_round_code": args.warm_round_code,
+                       "warm_round_code": args.warm_round_code, "sweep_mb": args.sweep_mb,
                        "num_recent_tokens": NUM_RECENT_TOKENS, "repeats": num_repeats,
                        "growth": [dict(asdict(r), ratio=r.ratio) for r in growth],
                        "evict": [dict(asdict(r), bookkeeping_us=r.bookkeeping_us, step_share=r.step_share,

@@ -32,6 +32,7 @@ from vtoken.hardware import resolve_gpu
 from vtoken.invariants import check_round
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
+from vtoken.kv.live_counts import compiled_loops
 from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.planning import plan_hole_fill_round
 from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
@@ -51,6 +52,11 @@ ROUND_CADENCES = ("default", "whole-round", "paced")  # a round starts at a chec
 PACED_SHARE_OF_STEP = 0.005
 HOST_US_PER_MOVE = 0.5
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
+# what a diagnostic warms between the steps outside a round (EvictingRun.warm_round_code): the
+# round's code run through the substrate's verbs, Python and compiled, or its compiled calls alone
+WARMINGS = ("verbs", "compiled")
+# the compiled calls of a round step (kv/compiled.py): planning, the I4 check, landing, release
+ROUND_LOOPS = ("hole_fill_round", "round_passes", "land_moves", "release_empty_blocks")
 
 
 def modelled_step_us(num_requests: int, context_tokens: int) -> float:
@@ -157,6 +163,38 @@ def choose_victims(tables: list[TokenTable], rng: np.random.Generator, pattern: 
     return np.array(victims, dtype=np.int64)
 
 
+class CompiledRoundCalls:
+    """The round's compiled calls (ROUND_LOOPS) as `warm_compiled_loops` makes them on its pool
+    of its own, recorded once, then made again on fresh copies of their arrays at each call of
+    this object: the round's compiled code warm, and none of the Python around it run (only the
+    copies and the calls' dispatch)."""
+
+    def __init__(self) -> None:
+        loops = compiled_loops()
+        self.functions = {name: getattr(loops, name) for name in ROUND_LOOPS}
+        self.calls: dict[str, tuple] = {}
+
+        def recording(name: str):
+            def call(*args):
+                self.calls.setdefault(name, tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args))
+                return self.functions[name](*args)
+            return call
+
+        try:
+            for name in ROUND_LOOPS:
+                setattr(loops, name, recording(name))
+            warm_compiled_loops()
+        finally:
+            for name, function in self.functions.items():
+                setattr(loops, name, function)
+        if missing := [name for name in ROUND_LOOPS if name not in self.calls]:
+            raise RuntimeError(f"warm_compiled_loops made no call of {', '.join(missing)}")
+
+    def __call__(self) -> None:
+        for name, args in self.calls.items():
+            self.functions[name](*(a.copy() if isinstance(a, np.ndarray) else a for a in args))
+
+
 class RoundStep(NamedTuple):
     """A step whose reclamation launched plans: how many, the tokens they moved, the seconds
     of each part of it (`EvictingRun.reclaim`), and the seconds of the step's evictions before
@@ -222,10 +260,16 @@ class EvictingRun:
         # polls them before the next forward (Runtime.execute)
         self.landing = landing
         self.checked_at: dict[int, int] = {}  # a launched plan's table version at its check, by req_id
-        # a diagnostic: after every step outside a round, untimed, the round's code (Python and
-        # compiled) run on a small pool of its own (engine/warmup.py), so that a round's first
-        # launching step meets its code warm and only its data cold
-        self.warm_round_code = False
+        # a diagnostic: after every step outside a round, untimed, the round's code run on a
+        # small pool of its own, so that a round's first launching step meets it warm and only
+        # its data cold: "verbs", through the substrate's verbs, Python and compiled
+        # (engine/warmup.py); "compiled", the round's compiled calls alone (CompiledRoundCalls)
+        self.warm_round_code: str | None = None
+        self._warm_compiled: CompiledRoundCalls | None = None
+        # a diagnostic: after every step, untimed, a write over this many bytes of a buffer of
+        # its own, as the host's other work between two steps evicts its data caches
+        self.sweep_bytes = 0
+        self._sweep: np.ndarray | None = None
 
     def prefragment(self, num_dead_per_request: int | None = None) -> None:
         """Evict `num_dead_per_request` random tokens of every request (default: a different
@@ -337,8 +381,22 @@ class EvictingRun:
         self.step_idx += 1
         parts = grown - started, evicted - landed, reclaimed - evicted + landed - grown, clock() - reclaimed
         if self.warm_round_code and not self.reclaimer.is_round_in_progress and not self.has_in_flight:
-            warm_compiled_loops()
+            self._warm_round_code()
+        if self.sweep_bytes:
+            if self._sweep is None or self._sweep.size != self.sweep_bytes:
+                self._sweep = np.zeros(self.sweep_bytes, dtype=np.uint8)
+            self._sweep += 1
         return parts
+
+    def _warm_round_code(self) -> None:
+        if self.warm_round_code not in WARMINGS:
+            raise ValueError(f"unknown warming '{self.warm_round_code}'; choose one of: {', '.join(WARMINGS)}")
+        if self.warm_round_code == "verbs":
+            warm_compiled_loops()
+            return
+        if self._warm_compiled is None:
+            self._warm_compiled = CompiledRoundCalls()
+        self._warm_compiled()
 
     @property
     def has_in_flight(self) -> bool:

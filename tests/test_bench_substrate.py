@@ -258,7 +258,7 @@ def test_warming_the_round_code_changes_no_step_of_the_cycle() -> None:
     bench = _bench_substrate()
     calls = []
     cycles = []
-    for warm in (False, True):
+    for warm in (None, "verbs"):
         run = bench.warmed_run(8, 2048, "paced", 10_000.0, seed=1, clock=bench.time.process_time)
         run.round_steps.clear()
         run.warm_round_code = warm
@@ -272,3 +272,50 @@ def test_warming_the_round_code_changes_no_step_of_the_cycle() -> None:
     assert cycles[0].kinds == cycles[1].kinds and cycles[0].work == cycles[1].work
     assert calls and not any(calls)
     assert len(calls) == cycles[1].kinds.count("ordinary") + 1  # after each of them, and after the step that ended the round
+
+
+def test_the_round_compiled_calls_are_made_again_whole_and_change_no_step_of_the_cycle() -> None:
+    """--warm-round-code compiled makes the round's four compiled calls again on copies of the
+    warm-up's arrays: each runs through (a call refused at its first check would warm little of
+    its code) and leaves the recorded arrays as they were; the cycle is the same steps doing the
+    same work with it, and with --sweep-mb's write between the steps, which ran after each."""
+    bench = _bench_substrate()
+    run = bench.warmed_run(8, 2048, "paced", 10_000.0, seed=1, clock=bench.time.process_time)
+    workload = sys.modules[type(run).__module__]
+    calls = workload.CompiledRoundCalls()
+    assert set(calls.calls) == set(workload.ROUND_LOOPS)
+    recorded = {name: [a.copy() if isinstance(a, np.ndarray) else a for a in args] for name, args in calls.calls.items()}
+    results = {}
+    functions = dict(calls.functions)
+    calls.functions = {name: (lambda name: lambda *args: results.setdefault(name, functions[name](*args)))(name)
+                       for name in functions}
+    calls()
+    plan_rows = results["hole_fill_round"][0]
+    assert plan_rows.shape[1] >= 1  # at least one plan
+    assert results["round_passes"] is True
+    assert results["land_moves"][2] == 0 and results["release_empty_blocks"][4] == 0  # no refusal
+    assert results["release_empty_blocks"][1].size >= 1  # blocks released
+    for name, args in calls.calls.items():
+        for kept, now in zip(recorded[name], args, strict=True):
+            np.testing.assert_array_equal(kept, now)
+
+    cycles = []
+    for warm, sweep_bytes in ((None, 0), ("compiled", 0), (None, 1 << 16)):
+        run = bench.warmed_run(8, 2048, "paced", 10_000.0, seed=1, clock=bench.time.process_time)
+        run.round_steps.clear()
+        run.warm_round_code, run.sweep_bytes = warm, sweep_bytes
+        cycles.append(bench.time_cycle(run))
+        if warm:
+            assert run._warm_compiled is not None
+        if sweep_bytes:
+            assert run._sweep.size == sweep_bytes and (run._sweep == len(cycles[-1].kinds) % 256).all()
+    for cycle in cycles[1:]:
+        assert cycle.kinds == cycles[0].kinds and cycle.work == cycles[0].work
+
+
+def test_an_unknown_warming_is_refused() -> None:
+    bench = _bench_substrate()
+    run = bench.warmed_run(4, 1024, "paced", 10_000.0, seed=1, clock=bench.time.process_time)
+    run.warm_round_code = "python"
+    with pytest.raises(ValueError, match="unknown warming 'python'"):
+        run.run(64)
