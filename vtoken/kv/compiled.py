@@ -26,6 +26,7 @@ from vtoken.jit import njit
 from vtoken.kv.compiled_check import ascending as _ascending
 from vtoken.kv.compiled_check import first_outside as _first_outside
 from vtoken.kv.compiled_check import round_passes  # noqa: F401 (its callers reach it here)
+from vtoken.kv.compiled_check import sorted_ascending as _sorted_ascending
 from vtoken.kv.compiled_evict import (  # noqa: F401 (the evictions' loops: their callers reach them here)
     DEAD_TOKEN, NOT_DISTINCT_TABLES, PINNED_TOKEN, REPEATED_TOKEN, UNKNOWN_TOKEN, change_live_counts, evict_one_each,
     evict_tokens,
@@ -101,15 +102,13 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order
         if last != stop:
             raise ValueError("a source block holds fewer tokens than the pool counts live")
         # the sources are the request's last blocks, mostly filled by appends in logical order:
-        # their tokens usually ascend already, and a sort's code, which a round's first step
-        # meets cold, is run only when they do not (likewise the sources and the other sorts)
+        # their tokens usually ascend already, and are sorted only when they do not
         if not _ascending(token_ids[first_move:stop]):
             order = np.argsort(token_ids[first_move:stop]) + first_move  # the ids are distinct
             token_ids[first_move:stop] = token_ids[order]
             src_blocks[first_move:stop] = src_blocks[order]
             src_offsets[first_move:stop] = src_offsets[order]
-        if not _ascending(sources[first_src : first_src + m]):
-            sources[first_src : first_src + m] = np.sort(sources[first_src : first_src + m])
+        sources[first_src : first_src + m] = _sorted_ascending(sources[first_src : first_src + m])
         last = first_move
         for j in range(starts[k], end - m):  # the kept blocks' holes, in block order
             if last == stop:
@@ -136,12 +135,23 @@ def hole_fill_round(held, sizes, req_ids, ref_counts, live_counts, token_at, blo
     (movable_blocks), the requests ordered most reclaimable blocks first, ties by req_id, and
     their plans in that order (hole_fill_plans, whose rows it returns)."""
     block_ids, counts, starts, ends, _, num_reclaimable = movable_blocks(held, sizes, ref_counts, live_counts, block_size)
-    if req_ids.size == 1:  # a paced round step's one request: nothing to order
-        order = np.zeros(1, np.int64)
+    if _in_round_order(req_ids, num_reclaimable):  # as the reclaimer often hands them (a paced step: one)
+        order = np.arange(req_ids.size)
     else:
         by_req_id = np.argsort(req_ids, kind="mergesort")
         order = by_req_id[np.argsort(-num_reclaimable[by_req_id], kind="mergesort")]  # stable: ties keep req_id order
     return hole_fill_plans(block_ids, counts, starts, ends, num_reclaimable, order, token_at, block_size, max_src_blocks)
+
+
+@njit
+def _in_round_order(req_ids, num_reclaimable):
+    """Whether requests of distinct `req_ids` already come most reclaimable blocks first, ties
+    by req_id."""
+    for k in range(1, req_ids.size):
+        more = num_reclaimable[k] > num_reclaimable[k - 1]
+        if more or (num_reclaimable[k] == num_reclaimable[k - 1] and req_ids[k] < req_ids[k - 1]):
+            return False
+    return True
 
 
 @njit
@@ -211,7 +221,7 @@ def release_empty_blocks(held, sizes, bases, live_counts, ref_counts):
     released = released[:num_empty]
     if num_empty == 0:
         return kept[:num_kept], released, num_released, no_blocks, 0, -1
-    ordered = released if _ascending(released) else np.sort(released)
+    ordered = _sorted_ascending(released)
     for i in range(num_empty):
         if ref_counts[ordered[i]] <= 0:
             return kept[:0], released[:0], num_released, no_blocks, 2, ordered[i]

@@ -25,6 +25,13 @@ def ascending(values):
 
 
 @njit
+def sorted_ascending(values):
+    """`values` in ascending order: themselves, not a copy, when each is above the one before (a
+    sort's code, which a round's first step meets cold, then does not run), else a sorted copy."""
+    return values if ascending(values) else np.sort(values)
+
+
+@njit
 def _is_distinct(values):
     """No value repeats (one pass when they ascend, as the plans' usually do; else a sort)."""
     if ascending(values):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from vtoken.jit import njit
-from vtoken.kv.compiled_check import ascending as _ascending
 from vtoken.kv.compiled_check import first_outside as _first_outside
+from vtoken.kv.compiled_check import sorted_ascending as _sorted_ascending
 
 
 @njit
@@ -76,8 +76,7 @@ def change_live_counts(block_ids, deltas, live_counts, ref_counts, count_effects
         if new == 0:
             emptied[num_emptied] = b
             num_emptied += 1
-    emptied = emptied[:num_emptied]
-    return (emptied if _ascending(emptied) else np.sort(emptied)), changes, 0, -1
+    return _sorted_ascending(emptied[:num_emptied]), changes, 0, -1
 
 
 # evict_tokens' refusals of the table's ids; the pool's (change_live_counts') follow, shifted by 4
@@ -93,7 +92,7 @@ def are_distinct_tables(bases):
     distinct tables of that pool: no base negative (another pool's table), no two equal."""
     if bases.size == 0:
         return True
-    ordered = bases if _ascending(bases) else np.sort(bases)
+    ordered = _sorted_ascending(bases)
     if ordered[0] < 0:
         return False
     for i in range(1, ordered.size):
