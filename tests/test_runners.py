@@ -4,15 +4,20 @@ when anything did."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import os
+import re
+import socket
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from vtoken import cache as cache_module
 from vtoken.analysis import frontier, run_together
@@ -22,12 +27,15 @@ from vtoken.cache import RunCache, job_key
 from vtoken.compare import CompareOptions, compare, report_to_json
 from vtoken.engine.experiment import EvictionConfig, SchedulerConfig
 from vtoken.engine.sim import SimProfile
-from vtoken.errors import ConfigError
+from vtoken.errors import ConfigError, VTokenError
 from vtoken.kv.reclaim import ReclaimConfig
 from vtoken.policies.base import Budget
 from vtoken.replay import SimReplayer
-from vtoken.runners import ProcessRunner, RayRunner, ReplayJob, SerialRunner, make_runner, replay_job
+from vtoken.runners import (
+    ProcessRunner, RayRunner, ReplayJob, SerialRunner, check_ray_answers, make_runner, ray_endpoint, replay_job,
+)
 from vtoken.trace import Request, load_trace
+from vtoken_cli.app import app
 
 from test_replayers import REQUESTS, CountingRunner, make_experiment, make_run
 
@@ -133,7 +141,106 @@ def test_ray_missing_is_a_one_line_error(monkeypatch) -> None:
         make_runner(None, "local")
 
 
+@pytest.mark.parametrize("address, endpoint", [
+    ("local", None), ("auto", None), ("10.0.0.2:6379", ("10.0.0.2", 6379)), ("head-node:6379", ("head-node", 6379)),
+    ("ray://head:10001", ("head", 10001)), ("[::1]:6379", ("::1", 6379)),
+])
+def test_a_ray_address_is_local_auto_or_a_host_and_port(address, endpoint) -> None:
+    assert ray_endpoint(address) == endpoint
+
+
+@pytest.mark.parametrize("address", ["head", "head:", ":6379", "head:0", "head:65536", "head:63x", "ray://", "http://h:1",
+                                     "h /x:1", "--json"])
+def test_anything_else_is_refused_as_an_address(address) -> None:
+    with pytest.raises(ConfigError, match=rf"^--ray {re.escape(address)}: not a cluster's address; give auto, HOST:PORT"):
+        ray_endpoint(address)
+
+
+class OneConnectionServer:
+    """A TCP server on 127.0.0.1 that accepts connections and answers each with `reply` (bytes,
+    or None: reads and never answers), in a thread, until closed."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.reply = reply
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.socket.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):  # a client that gave up resets the connection
+                conn.recv(64)
+                if self.reply is not None:
+                    conn.sendall(self.reply)
+                conn.recv(64)  # until the client closes
+
+    def __enter__(self) -> OneConnectionServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.socket.close()
+
+
+def test_a_grpc_server_answers_as_a_cluster_and_nothing_else_does() -> None:
+    settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # the server's own SETTINGS frame, as gRPC's HTTP/2 sends first
+    with OneConnectionServer(settings) as grpc:
+        check_ray_answers("a", "127.0.0.1", grpc.port, timeout_s=2)
+    with OneConnectionServer(b"HTTP/1.1 400 Bad Request\r\n\r\n") as http, \
+            pytest.raises(ConfigError, match=rf"^--ray a: 127.0.0.1:{http.port} answered, but not as a Ray cluster"):
+        check_ray_answers("a", "127.0.0.1", http.port, timeout_s=2)
+    with OneConnectionServer(None) as silent, \
+            pytest.raises(ConfigError, match=rf"^--ray a: nothing answered at 127.0.0.1:{silent.port} \(timed out\)"):
+        check_ray_answers("a", "127.0.0.1", silent.port, timeout_s=0.3)
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(ConfigError, match=rf"^--ray a: nothing answered at 127.0.0.1:{port} \(Connection refused\)"):
+        check_ray_answers("a", "127.0.0.1", port, timeout_s=2)
+
+
+def test_a_ray_address_where_no_cluster_answers_is_one_line_exit_2_before_any_work(tmp_path) -> None:
+    pytest.importorskip("ray")
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    for address, fragment in ((f"127.0.0.1:{port}", f"nothing answered at 127.0.0.1:{port}"),
+                              ("notanaddress", "not a cluster's address")):
+        result = CliRunner().invoke(app, ["compare", str(SAMPLE), "--max-requests", "3", "--no-sweep", "--no-frontier",
+                                          "--ray", address, "--cache-dir", str(tmp_path / "cache")])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --ray {address}: {fragment}"), result.stderr
+        assert "Traceback" not in result.output and result.stdout == ""
+    assert not (tmp_path / "cache").exists()
+
+
 # ---- the cache ---------------------------------------------------------------------------------
+
+
+def test_a_cache_directory_that_cannot_be_is_refused_naming_where_it_came_from(tmp_path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match=rf"^--cache-dir {re.escape(str(tmp_path))}/afile: .*afile is not a directory$"):
+        RunCache(tmp_path / "afile").check("--cache-dir")
+    with pytest.raises(ConfigError, match=r"^\$VTOKEN_RUN_CACHE_DIR .*afile/runs/x: .*afile is not a directory$"):
+        RunCache(tmp_path / "afile" / "runs" / "x").check("$VTOKEN_RUN_CACHE_DIR")
+    RunCache(tmp_path / "new" / "runs").check("--cache-dir")  # made at the first write: nothing made here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_cache_that_cannot_be_written_is_one_error_naming_it_before_any_replay(tmp_path) -> None:
+    (tmp_path / "afile").write_text("x")
+    cache = RunCache(tmp_path / "afile" / "runs")  # not checked: as if it went away after the check
+    replayer = SimReplayer(runner=CountingRunner(), cache=cache)
+    with pytest.raises(VTokenError, match=r"^cannot write the run cache at .*afile/runs: Not a directory \(--no-cache"):
+        replayer.run(make_run(), REQUESTS)
+    assert replayer.runner.replayed == []
+    with pytest.raises(VTokenError, match=r"^cannot write the run cache at .*afile/runs: Not a directory"):
+        cache.put(ReplayJob(make_run(), REQUESTS), replay_job(ReplayJob(make_run(), REQUESTS)))
 
 
 def cached_replayer(tmp_path: Path) -> SimReplayer:

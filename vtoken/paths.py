@@ -24,3 +24,11 @@ def run_cache_dir() -> Path:
     if os.environ.get("VTOKEN_RUN_CACHE_DIR"):
         return Path(os.environ["VTOKEN_RUN_CACHE_DIR"]).expanduser()
     return cache_root() / "runs"
+
+
+def run_cache_dir_source() -> str:
+    """Where `run_cache_dir()` came from, for a message that names it."""
+    for name in ("VTOKEN_RUN_CACHE_DIR", "VTOKEN_CACHE_DIR", "XDG_CACHE_HOME"):
+        if os.environ.get(name):
+            return f"${name}"
+    return "the run cache"

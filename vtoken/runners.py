@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -42,6 +43,15 @@ OnTokens = Callable[[int, int], None]  # (index of a running job, tokens it gene
 TOKEN_REPORT_INTERVAL_S = 0.25  # a worker process batches its token reports this long
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local cluster stays on 127.0.0.1
 RAY_INSTALL_HINT = "pip install 'vtoken[ray]' (or pip install 'ray>=2')"
+RAY_CORE_LOG_LEVEL_ENV = "RAY_BACKEND_LOG_LEVEL"
+RAY_ADDRESS_FORMS = "auto, HOST:PORT, ray://HOST:PORT or local"
+RAY_CONNECT_TIMEOUT_S = 5.0  # a cluster's address that does not answer within this is refused
+# Ray's servers (the GCS, the Ray Client server) speak gRPC: HTTP/2, which a server answers with
+# a SETTINGS frame (RFC 9113 §3.4) once a client sent its preface and a SETTINGS frame of its own
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HTTP2_EMPTY_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # length 0, type 4 (SETTINGS), no flags, stream 0
+HTTP2_SETTINGS = 4
+HTTP2_FRAME_HEADER_BYTES = 9
 
 
 @dataclass(frozen=True)
@@ -234,12 +244,17 @@ class RayRunner(_Closing):
     `local` to start one on this machine, bound to 127.0.0.1, with `num_cpus` CPUs (default:
     the cores available). The cluster is joined (or started) at the first batch of more than
     one job and left to Ray's own shutdown at exit (`close()` leaves it); one job alone runs in
-    this process. The cluster's nodes need the same vtoken (and numpy) installed as this machine."""
+    this process. The cluster's nodes need the same vtoken (and numpy) installed as this machine.
+    An address that is not one, or where no gRPC server answers, is refused when the runner is
+    made (`ray_endpoint`, `check_ray_answers`), before any work."""
 
     name = "ray"
 
     def __init__(self, address: str, num_cpus: int | None = None) -> None:
         require_ray()
+        endpoint = ray_endpoint(address)
+        if endpoint is not None:
+            check_ray_answers(address, *endpoint)
         self.address = address
         self.num_cpus = num_cpus
 
@@ -278,10 +293,50 @@ class RayRunner(_Closing):
             ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus or available_cores(),
                      _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
             return
+        os.environ.setdefault(RAY_CORE_LOG_LEVEL_ENV, "error")  # its core's retries, each a line, stay off stderr
         try:
             ray.init(address=self.address, log_to_driver=False, configure_logging=False)
-        except ConnectionError as exc:
-            raise ConfigError(f"--ray {self.address}: no Ray cluster answered ({exc})") from None
+        except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"--ray {self.address}: no Ray cluster answered ({reason})") from None
+
+
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """`--ray`'s address as (host, port) for HOST:PORT and ray://HOST:PORT (a host name, an IPv4
+    address, or an IPv6 one in brackets), None for `auto` and `local` (Ray finds the cluster, or
+    starts one); ConfigError for anything else."""
+    if address in ("auto", "local"):
+        return None
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536) or any(c in host for c in "/[] "):
+        raise ConfigError(f"--ray {address}: not a cluster's address; give {RAY_ADDRESS_FORMS}")
+    return host, int(port)
+
+
+def check_ray_answers(address: str, host: str, port: int, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Refuse, with a ConfigError, a cluster address where nothing accepts a connection within
+    `timeout_s`, or where what does is not a gRPC server (no SETTINGS frame in answer to an HTTP/2
+    client's preface), as each of Ray's is: `ray.init` waits there without end. With Ray's TLS on
+    (RAY_USE_TLS) only the connection is checked."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return
+            conn.sendall(HTTP2_PREFACE + HTTP2_EMPTY_SETTINGS)
+            header = b""
+            deadline = time.monotonic() + timeout_s
+            while len(header) < HTTP2_FRAME_HEADER_BYTES and (left_s := deadline - time.monotonic()) > 0:
+                conn.settimeout(left_s)
+                chunk = conn.recv(HTTP2_FRAME_HEADER_BYTES - len(header))
+                if not chunk:
+                    break
+                header += chunk
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise ConfigError(f"--ray {address}: nothing answered at {host}:{port} ({reason})") from None
+    if len(header) < HTTP2_FRAME_HEADER_BYTES or header[3] != HTTP2_SETTINGS:
+        raise ConfigError(f"--ray {address}: {host}:{port} answered, but not as a Ray cluster (not a gRPC server)")
 
 
 def require_ray() -> None:

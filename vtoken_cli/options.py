@@ -21,6 +21,7 @@ from vtoken.errors import ConfigError
 from vtoken.hardware import GPUS, GpuSpec, num_blocks_for_gpu, resolve_gpu
 from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
 from vtoken.model_spec import MODELS, ModelSpec, resolve_model
+from vtoken.paths import run_cache_dir_source
 from vtoken.policies import POLICIES, resolve_policy_name
 from vtoken.policies import base as policy_base
 from vtoken.trace import TRACE_FORMATS
@@ -305,10 +306,12 @@ def build_tokenizer(name_or_path: str | None, on_status=None):
 
 def build_cache(cache_dir: Path | None, no_cache: bool) -> RunCache | None:
     """The cache of `--cache-dir` / `--no-cache`: none with --no-cache, else the directory given
-    or the default one."""
+    or the default one, refused (ConfigError) where it cannot be (`RunCache.check`)."""
     if no_cache:
         return None
-    return RunCache(cache_dir if cache_dir is not None else default_cache_dir())
+    cache = RunCache(cache_dir if cache_dir is not None else default_cache_dir())
+    cache.check("--cache-dir" if cache_dir is not None else run_cache_dir_source())
+    return cache
 
 
 def parse_variants(text: str) -> tuple[str, ...]:
