@@ -10,9 +10,12 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,6 +109,100 @@ def test_a_batch_that_raises_ends_its_workers_and_the_next_batch_starts_fresh_on
             runner.map(fails_on_two, [1, 2, 3])
         assert not workers & {child.pid for child in multiprocessing.active_children()}  # ended
         assert runner.map(fails_on_two, [1, 3, 4]) == [1, 9, 16]
+
+
+def runs_long_or_fails(job: tuple[str, str], report=None) -> None:
+    """("long", folder): writes its pid to folder/long.pid and sleeps for ten minutes (reporting
+    no token);
+    ("fail", folder): waits for that file, then raises."""
+    kind, folder = job
+    pid_file = Path(folder) / "long.pid"
+    if kind == "long":
+        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+        pid_file.with_suffix(".tmp").rename(pid_file)
+        time.sleep(600)
+    while not pid_file.exists():
+        time.sleep(0.05)
+    raise ValueError("the other job failed")
+
+
+def has_ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(120)  # before: the failed batch waited for the other job's ten minutes
+def test_a_batch_that_fails_ends_its_workers_at_once_whatever_they_run(tmp_path) -> None:
+    with pytest.raises(ValueError, match="the other job failed"):
+        ProcessRunner(2).map(runs_long_or_fails, [("long", str(tmp_path)), ("fail", str(tmp_path))])
+    assert has_ended(int((tmp_path / "long.pid").read_text()))
+
+
+SIGNALLED_RUN = """
+import sys
+from vtoken.runners import ProcessRunner
+from vtoken_cli.app import _terminated
+import signal
+from test_runners import runs_long_or_fails
+signal.signal(signal.SIGTERM, _terminated)
+with ProcessRunner(2) as runner:
+    runner.map(runs_long_or_fails, [("long", sys.argv[1]), ("long", sys.argv[1] + "/2")], on_tokens=lambda *a: None)
+"""
+
+
+@pytest.fixture
+def signalled_run(tmp_path: Path):
+    """A process like `vtoken` (in a session of its own) whose two worker processes run
+    ten-minute jobs, and a manager process takes their token reports, once both jobs started;
+    whatever the test leaves of its session is killed after it."""
+    (tmp_path / "2").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    process = subprocess.Popen([sys.executable, "-c", SIGNALLED_RUN, str(tmp_path)], env=env, start_new_session=True)
+    try:
+        while not ((tmp_path / "long.pid").exists() and (tmp_path / "2" / "long.pid").exists()):
+            assert process.poll() is None, "the run ended before its jobs started"
+            time.sleep(0.1)
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform != "linux", reason="pgrep -P and /proc")
+def test_sigterm_ends_a_command_and_every_process_it_started(signalled_run) -> None:
+    process = signalled_run
+    children = children_of(process.pid)
+    assert len(children) >= 3  # two workers and the reports' manager (and the resource tracker)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait() == 128 + signal.SIGTERM
+    for _ in range(100):  # the resource tracker ends once the others let go of it
+        if all(has_ended(pid) for pid in children):
+            break
+        time.sleep(0.1)
+    assert [pid for pid in children if not has_ended(pid)] == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's (prctl)")
+def test_workers_end_when_the_command_is_killed_outright(signalled_run) -> None:
+    process = signalled_run
+    children = children_of(process.pid)
+    process.kill()  # SIGKILL: no cleanup runs in the command
+    process.wait()
+    for _ in range(100):
+        if all(has_ended(pid) for pid in children):
+            break
+        time.sleep(0.1)
+    assert [pid for pid in children if not has_ended(pid)] == []
 
 
 def test_computations_run_together_see_what_they_see_alone() -> None:

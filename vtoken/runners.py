@@ -22,15 +22,19 @@ after batch, until the runner is closed.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import queue
+import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
+from multiprocessing.managers import SyncManager
 from typing import Any, Protocol
 
 from vtoken.engine import Run, run_sim
@@ -43,6 +47,7 @@ OnTokens = Callable[[int, int], None]  # (index of a running job, tokens it gene
 TOKEN_REPORT_INTERVAL_S = 0.25  # a worker process batches its token reports this long
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local cluster stays on 127.0.0.1
 RAY_INSTALL_HINT = "pip install 'vtoken[ray]' (or pip install 'ray>=2')"
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 RAY_CORE_LOG_LEVEL_ENV = "RAY_BACKEND_LOG_LEVEL"
 RAY_ADDRESS_FORMS = "auto, HOST:PORT, ray://HOST:PORT or local"
 RAY_CONNECT_TIMEOUT_S = 5.0  # a cluster's address that does not answer within this is refused
@@ -164,11 +169,16 @@ class ProcessRunner(_Closing):
         self._manager: Any = None  # a multiprocessing manager, for the token reports' queue
         self._reports: Any = None
 
-    def close(self) -> None:
-        """End the worker processes (and the reports' manager); the next batch starts new ones."""
+    def close(self, abort: bool = False) -> None:
+        """End the worker processes (and the reports' manager); the next batch starts new ones.
+        `abort` (a batch failed or was interrupted): at once, not after the jobs they run, whose
+        results nobody waits for (a replay of a large trace runs for minutes)."""
         pool, manager = self._pool, self._manager
         self._pool = self._manager = self._reports = None
         if pool is not None:
+            if abort:  # ProcessPoolExecutor ends its workers only after their jobs (terminate_workers: 3.14)
+                for process in list(pool._processes.values()):
+                    process.terminate()
             pool.shutdown(wait=True, cancel_futures=True)
         if manager is not None:
             manager.shutdown()
@@ -197,21 +207,37 @@ class ProcessRunner(_Closing):
         except BaseException:
             for future in pending:
                 future.cancel()
-            self.close()  # its workers may be broken or still busy with the cancelled batch
+            self.close(abort=True)  # its workers may be broken or still busy with the cancelled batch
             raise
         return results
 
     def _started_pool(self) -> ProcessPoolExecutor:
         # spawned workers start on demand, one per job submitted while none is idle
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=end_with_parent, initargs=(os.getpid(),))
         return self._pool
 
     def _report_queue(self) -> Any:
         if self._reports is None:
-            self._manager = multiprocessing.get_context("spawn").Manager()
+            self._manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            self._manager.start(end_with_parent, (os.getpid(),))
             self._reports = self._manager.Queue()
         return self._reports
+
+
+def end_with_parent(parent_pid: int) -> None:
+    """In a worker process, on Linux: SIGTERM when `parent_pid`, the process that started it,
+    ends, however it ends (killed outright, it runs no cleanup of its own), so that no worker
+    replays on for nobody. Elsewhere a worker ends at its next job, when it finds its queue
+    closed."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # it ended before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _reporting(func: Callable[..., Any], job: Any, idx: int, reports: Any) -> Any:

@@ -6,6 +6,7 @@ Every command is wrapped in `console.one_line_errors` here, the single place whe
 
 from __future__ import annotations
 
+import signal
 import sys
 from importlib.metadata import version
 from typing import Annotated
@@ -98,4 +99,12 @@ def _root(
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     app(prog_name="vtoken")
+
+
+def _terminated(signum: int, frame) -> None:
+    """SIGTERM (kill, a scheduler's time limit) ends a command as Ctrl-C does, unwinding: the
+    worker processes and a server it started end with it, and an --output it was writing is
+    not left half-written. Exit code 128 + 15."""
+    raise SystemExit(128 + signum)

@@ -113,6 +113,10 @@ def run_server(options: ServeOptions, on_start=None) -> int:
     except KeyboardInterrupt:
         process.send_signal(signal.SIGINT)
         return process.wait()
+    except BaseException:  # SIGTERM (vtoken_cli.app) or an error here: the server ends with the command
+        process.terminate()
+        process.wait()
+        raise
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
