@@ -29,6 +29,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -311,6 +312,14 @@ class RayRunner(_Closing):
         return results
 
     def _init(self, ray) -> None:
+        on_sigterm = signal.getsignal(signal.SIGTERM)
+        try:
+            self._join_or_start(ray)
+        finally:  # Ray's core installs a SIGTERM handler of its own, which ends the process at once
+            if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _join_or_start(self, ray) -> None:
         if self.address == "local":
             # Ray resolves 127.0.0.1 to the machine's reachable address unless it runs as a
             # single-machine cluster (its switch for macOS and Windows): keep it on loopback.

@@ -100,11 +100,20 @@ def _root(
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminated)
-    app(prog_name="vtoken")
+    try:
+        app(prog_name="vtoken")
+    except SystemExit:
+        if _terminated.received:  # whatever ended the unwinding (Ray's wait exits 1 of its own)
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
 
 
 def _terminated(signum: int, frame) -> None:
     """SIGTERM (kill, a scheduler's time limit) ends a command as Ctrl-C does, unwinding: the
-    worker processes and a server it started end with it, and an --output it was writing is
-    not left half-written. Exit code 128 + 15."""
+    worker processes, a Ray cluster and a server it started end with it, and an --output it was
+    writing is not left half-written. Exit code 128 + 15."""
+    _terminated.received = True
     raise SystemExit(128 + signum)
+
+
+_terminated.received = False
