@@ -38,6 +38,7 @@ from vtoken.runners import (
     ProcessRunner, RayRunner, ReplayJob, SerialRunner, check_ray_answers, make_runner, ray_endpoint, replay_job,
 )
 from vtoken.trace import Request, load_trace
+import vtoken_cli.app as app_module
 from vtoken_cli.app import app
 
 from test_replayers import REQUESTS, CountingRunner, make_experiment, make_run
@@ -189,6 +190,24 @@ def test_sigterm_ends_a_command_and_every_process_it_started(signalled_run) -> N
             break
         time.sleep(0.1)
     assert [pid for pid in children if not has_ended(pid)] == []
+
+
+def test_after_a_sigterm_the_exit_code_is_143_whatever_ended_the_unwinding(monkeypatch) -> None:
+    def command(prog_name: str) -> None:
+        try:
+            app_module._terminated(signal.SIGTERM, None)
+        except SystemExit:
+            raise SystemExit(1) from None  # as Ray's wait ends a wait a signal interrupted
+
+    monkeypatch.setattr(app_module, "app", command)
+    monkeypatch.setattr(app_module._terminated, "received", False)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            app_module.main()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert ended.value.code == 128 + signal.SIGTERM
 
 
 @pytest.mark.timeout(120)
