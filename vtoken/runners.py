@@ -49,7 +49,6 @@ TOKEN_REPORT_INTERVAL_S = 0.25  # a worker process batches its token reports thi
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local cluster stays on 127.0.0.1
 RAY_INSTALL_HINT = "pip install 'vtoken[ray]' (or pip install 'ray>=2')"
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
-RAY_CORE_LOG_LEVEL_ENV = "RAY_BACKEND_LOG_LEVEL"
 RAY_ADDRESS_FORMS = "auto, HOST:PORT, ray://HOST:PORT or local"
 RAY_CONNECT_TIMEOUT_S = 5.0  # a cluster's address that does not answer within this is refused
 # Ray's servers (the GCS, the Ray Client server) speak gRPC: HTTP/2, which a server answers with
@@ -328,7 +327,6 @@ class RayRunner(_Closing):
             ray.init(address="local", include_dashboard=False, num_cpus=self.num_cpus or available_cores(),
                      _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
             return
-        os.environ.setdefault(RAY_CORE_LOG_LEVEL_ENV, "error")  # its core's retries, each a line, stay off stderr
         try:
             ray.init(address=self.address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as exc:
