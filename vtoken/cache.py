@@ -19,9 +19,10 @@ The key is the sha256 of a canonical JSON of:
 
 A directory that cannot hold the cache is refused before anything runs (`check`, which the
 commands call on --cache-dir or the default), and the directory is made before the first
-replay; a write that fails anyway is a VTokenError that names the directory. A result is stored as a pickle (the `RunResult`, timeline included), written to a temporary
-file and renamed into place, so a run killed mid-write leaves no partial entry and an
-interrupted sweep keeps every replay it finished. A result read back keeps the host time it was
+replay; a write that fails anyway is a VTokenError that names the directory. A result is
+stored as a pickle (the `RunResult`, timeline included), written to a temporary file and
+renamed into place, so a run killed mid-write leaves no partial entry and an interrupted sweep
+keeps every replay it finished. A result read back keeps the host time it was
 measured with. An entry that cannot be read is a miss. The cache holds pickles: point it only
 at a directory you own.
 """

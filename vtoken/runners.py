@@ -17,7 +17,9 @@ the same results; only the host time each replay measured differs.
 Worker processes are spawned, not forked: a forked child would inherit the parent's threads and
 locks (numpy's BLAS pool, a progress bar's refresh thread), and spawn behaves the same on Linux
 and macOS. A spawned worker imports vtoken once (about a second) and then takes jobs, batch
-after batch, until the runner is closed.
+after batch, until the runner is closed. A batch that fails or is interrupted ends its workers
+at once, whatever they run; on Linux a worker also ends when the process that started it does,
+however that ends.
 """
 
 from __future__ import annotations
