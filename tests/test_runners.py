@@ -192,6 +192,36 @@ def test_sigterm_ends_a_command_and_every_process_it_started(signalled_run) -> N
     assert [pid for pid in children if not has_ended(pid)] == []
 
 
+SERVED_UNDER_SIGTERM = """
+import signal, sys
+import vtoken.engine.vllm.serve as serve
+from vtoken_cli.app import _terminated
+serve.importlib.util.find_spec = lambda name: object()  # as if vLLM were installed
+server = "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(600)"
+serve.serve_command = lambda options: [sys.executable, "-c", server, sys.argv[1]]  # a server that never ends
+signal.signal(signal.SIGTERM, _terminated)
+serve.run_server(None)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_server_vtoken_serve_started(tmp_path) -> None:
+    pid_file = tmp_path / "server.pid"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, "-c", SERVED_UNDER_SIGTERM, str(pid_file)], env=env, start_new_session=True)
+    try:
+        while not pid_file.exists():
+            assert process.poll() is None, "vtoken serve's stand-in ended before its server started"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait() == 128 + signal.SIGTERM
+        assert has_ended(int(pid_file.read_text()))  # before: the server went on, its parent gone
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def test_after_a_sigterm_the_exit_code_is_143_whatever_ended_the_unwinding(monkeypatch) -> None:
     def command(prog_name: str) -> None:
         try:
