@@ -205,7 +205,11 @@ serve.run_server(None)
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_ends_the_server_vtoken_serve_started(tmp_path) -> None:
+@pytest.mark.parametrize("how, exit_code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)],
+                         ids=["sigterm", "sigkill"])
+def test_the_server_vtoken_serve_started_ends_with_it(tmp_path, how, exit_code) -> None:
+    if how == signal.SIGKILL and sys.platform != "linux":
+        pytest.skip("the parent-death signal is Linux's (prctl)")
     pid_file = tmp_path / "server.pid"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-c", SERVED_UNDER_SIGTERM, str(pid_file)], env=env, start_new_session=True)
@@ -213,9 +217,14 @@ def test_sigterm_ends_the_server_vtoken_serve_started(tmp_path) -> None:
         while not pid_file.exists():
             assert process.poll() is None, "vtoken serve's stand-in ended before its server started"
             time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait() == 128 + signal.SIGTERM
-        assert has_ended(int(pid_file.read_text()))  # before: the server went on, its parent gone
+        process.send_signal(how)
+        assert process.wait() == exit_code
+        server_pid = int(pid_file.read_text())
+        for _ in range(100):  # SIGKILL: the kernel signals the server once its parent is gone
+            if has_ended(server_pid):
+                break
+            time.sleep(0.1)
+        assert has_ended(server_pid)  # before: the server went on, its parent gone
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)

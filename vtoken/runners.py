@@ -24,13 +24,11 @@ however that ends.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +41,7 @@ from typing import Any, Protocol
 from vtoken.engine import Run, run_sim
 from vtoken.errors import ConfigError
 from vtoken.metrics import RunResult
+from vtoken.processes import end_with_parent
 from vtoken.trace import Request, num_output_tokens
 
 OnDone = Callable[[int, Any], None]  # (index of the job that just finished, its result)
@@ -50,7 +49,6 @@ OnTokens = Callable[[int, int], None]  # (index of a running job, tokens it gene
 TOKEN_REPORT_INTERVAL_S = 0.25  # a worker process batches its token reports this long
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local cluster stays on 127.0.0.1
 RAY_INSTALL_HINT = "pip install 'vtoken[ray]' (or pip install 'ray>=2')"
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
 RAY_ADDRESS_FORMS = "auto, HOST:PORT, ray://HOST:PORT or local"
 RAY_CONNECT_TIMEOUT_S = 5.0  # a cluster's address that does not answer within this is refused
 # Ray's servers (the GCS, the Ray Client server) speak gRPC: HTTP/2, which a server answers with
@@ -226,20 +224,6 @@ class ProcessRunner(_Closing):
             self._manager.start(end_with_parent, (os.getpid(),))
             self._reports = self._manager.Queue()
         return self._reports
-
-
-def end_with_parent(parent_pid: int) -> None:
-    """In a worker process, on Linux: SIGTERM when `parent_pid`, the process that started it,
-    ends, however it ends (killed outright, it runs no cleanup of its own), so that no worker
-    replays on for nobody. Elsewhere a worker ends at its next job, when it finds its queue
-    closed."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # it ended before the signal was asked for
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _reporting(func: Callable[..., Any], job: Any, idx: int, reports: Any) -> Any:

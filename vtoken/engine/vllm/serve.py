@@ -29,11 +29,13 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from vtoken import defaults
 from vtoken.engine.vllm.engine import ENGINE_ENV, SCHEDULER_CLS, WORKER_CLS
 from vtoken.engine.vllm.settings import CONFIG_KEY, VllmSettings
 from vtoken.errors import ConfigError
+from vtoken.processes import end_with_parent
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -107,7 +109,9 @@ def run_server(options: ServeOptions, on_start=None) -> int:
     argv = serve_command(options)
     if on_start is not None:
         on_start(argv)
-    process = subprocess.Popen(argv, env=serve_env(os.environ, metrics_dir))
+    # the server ends with this process however it ends (on Linux; killed outright included)
+    process = subprocess.Popen(argv, env=serve_env(os.environ, metrics_dir),
+                               preexec_fn=partial(end_with_parent, os.getpid()))
     try:
         return process.wait()
     except KeyboardInterrupt:
