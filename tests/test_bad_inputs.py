@@ -84,9 +84,9 @@ CASES = {
     "compare-output-under-a-file": ([*COMPARE, "--output", "afile/run"], "--output afile/run:"),
     "compare-output-proc": ([*COMPARE, "--output", "/proc/x"], "--output /proc/x: cannot create"),
     # the run cache: a directory, or one that can be made, before any work
-    "compare-cache-dir-is-a-file": ([*COMPARE, "--cache-dir", "afile"], "--cache-dir afile: afile is not a directory"),
+    "compare-cache-dir-is-a-file": ([*COMPARE, "--cache-dir", "afile"], "--cache-dir afile: afile is a file, not a directory"),
     "audit-cache-dir-under-a-file": ([*AUDIT, "--cache-dir", "afile/runs"],
-                                     "--cache-dir afile/runs: afile is not a directory"),
+                                     "--cache-dir afile/runs: afile is a file, not a directory"),
     # flags
     "compare-seed": ([*COMPARE, "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     "compare-num-blocks-huge": ([*COMPARE, "--num-blocks", "1000000000"], "--num-blocks 1000000000 is more than h100-80gb"),

@@ -40,6 +40,7 @@ from vtoken.runners import (
 from vtoken.trace import Request, load_trace
 import vtoken_cli.app as app_module
 from vtoken_cli.app import app
+from vtoken_cli.options import build_cache
 
 from test_replayers import REQUESTS, CountingRunner, make_experiment, make_run
 
@@ -135,6 +136,15 @@ def has_ended(pid: int) -> bool:
         return True
 
 
+def still_running(pids: list[int], wait_s: float = 10.0) -> list[int]:
+    """Those of `pids` that have not ended within `wait_s` (a process killed by the parent-death
+    signal, or a resource tracker let go of, ends a moment after its parent)."""
+    deadline = time.monotonic() + wait_s
+    while (running := [pid for pid in pids if not has_ended(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
+
+
 @pytest.mark.timeout(120)  # before: the failed batch waited for the other job's ten minutes
 def test_a_batch_that_fails_ends_its_workers_at_once_whatever_they_run(tmp_path) -> None:
     with pytest.raises(ValueError, match="the other job failed"):
@@ -185,14 +195,10 @@ def test_sigterm_ends_a_command_and_every_process_it_started(signalled_run) -> N
     assert len(children) >= 3  # two workers and the reports' manager (and the resource tracker)
     process.send_signal(signal.SIGTERM)
     assert process.wait() == 128 + signal.SIGTERM
-    for _ in range(100):  # the resource tracker ends once the others let go of it
-        if all(has_ended(pid) for pid in children):
-            break
-        time.sleep(0.1)
-    assert [pid for pid in children if not has_ended(pid)] == []
+    assert still_running(children) == []
 
 
-SERVED_UNDER_SIGTERM = """
+SERVE_STAND_IN = """
 import signal, sys
 import vtoken.engine.vllm.serve as serve
 from vtoken_cli.app import _terminated
@@ -212,19 +218,14 @@ def test_the_server_vtoken_serve_started_ends_with_it(tmp_path, how, exit_code) 
         pytest.skip("the parent-death signal is Linux's (prctl)")
     pid_file = tmp_path / "server.pid"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-c", SERVED_UNDER_SIGTERM, str(pid_file)], env=env, start_new_session=True)
+    process = subprocess.Popen([sys.executable, "-c", SERVE_STAND_IN, str(pid_file)], env=env, start_new_session=True)
     try:
         while not pid_file.exists():
             assert process.poll() is None, "vtoken serve's stand-in ended before its server started"
             time.sleep(0.1)
         process.send_signal(how)
         assert process.wait() == exit_code
-        server_pid = int(pid_file.read_text())
-        for _ in range(100):  # SIGKILL: the kernel signals the server once its parent is gone
-            if has_ended(server_pid):
-                break
-            time.sleep(0.1)
-        assert has_ended(server_pid)  # before: the server went on, its parent gone
+        assert still_running([int(pid_file.read_text())]) == []  # before: the server went on, its parent gone
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -239,7 +240,7 @@ def test_after_a_sigterm_the_exit_code_is_143_whatever_ended_the_unwinding(monke
             raise SystemExit(1) from None  # as Ray's wait ends a wait a signal interrupted
 
     monkeypatch.setattr(app_module, "app", command)
-    monkeypatch.setattr(app_module._terminated, "received", False)
+    monkeypatch.setattr(app_module, "_sigterm_received", False)
     handler = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as ended:
@@ -256,11 +257,7 @@ def test_workers_end_when_the_command_is_killed_outright(signalled_run) -> None:
     children = children_of(process.pid)
     process.kill()  # SIGKILL: no cleanup runs in the command
     process.wait()
-    for _ in range(100):
-        if all(has_ended(pid) for pid in children):
-            break
-        time.sleep(0.1)
-    assert [pid for pid in children if not has_ended(pid)] == []
+    assert still_running(children) == []
 
 
 def test_computations_run_together_see_what_they_see_alone() -> None:
@@ -311,7 +308,7 @@ def test_anything_else_is_refused_as_an_address(address) -> None:
         ray_endpoint(address)
 
 
-class OneConnectionServer:
+class AnsweringServer:
     """A TCP server on 127.0.0.1 that accepts connections and answers each with `reply` (bytes,
     or None: reads and never answers), in a thread, until closed."""
 
@@ -334,7 +331,7 @@ class OneConnectionServer:
                     conn.sendall(self.reply)
                 conn.recv(64)  # until the client closes
 
-    def __enter__(self) -> OneConnectionServer:
+    def __enter__(self) -> AnsweringServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -343,12 +340,12 @@ class OneConnectionServer:
 
 def test_a_grpc_server_answers_as_a_cluster_and_nothing_else_does() -> None:
     settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # the server's own SETTINGS frame, as gRPC's HTTP/2 sends first
-    with OneConnectionServer(settings) as grpc:
+    with AnsweringServer(settings) as grpc:
         check_ray_answers("a", "127.0.0.1", grpc.port, timeout_s=2)
-    with OneConnectionServer(b"HTTP/1.1 400 Bad Request\r\n\r\n") as http, \
+    with AnsweringServer(b"HTTP/1.1 400 Bad Request\r\n\r\n") as http, \
             pytest.raises(ConfigError, match=rf"^--ray a: 127.0.0.1:{http.port} answered, but not as a Ray cluster"):
         check_ray_answers("a", "127.0.0.1", http.port, timeout_s=2)
-    with OneConnectionServer(None) as silent, \
+    with AnsweringServer(None) as silent, \
             pytest.raises(ConfigError, match=rf"^--ray a: nothing answered at 127.0.0.1:{silent.port} \(timed out\)"):
         check_ray_answers("a", "127.0.0.1", silent.port, timeout_s=0.3)
     closed = socket.create_server(("127.0.0.1", 0))
@@ -377,25 +374,23 @@ def test_a_ray_address_where_no_cluster_answers_is_one_line_exit_2_before_any_wo
 # ---- the cache ---------------------------------------------------------------------------------
 
 
-def test_a_cache_directory_that_cannot_be_is_refused_naming_where_it_came_from(tmp_path) -> None:
+def test_a_cache_directory_vtoken_could_not_write_is_refused_naming_where_it_came_from(tmp_path, monkeypatch) -> None:
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ConfigError, match=rf"^--cache-dir {re.escape(str(tmp_path))}/afile: .*afile is not a directory$"):
-        RunCache(tmp_path / "afile").check("--cache-dir")
-    with pytest.raises(ConfigError, match=r"^\$VTOKEN_RUN_CACHE_DIR .*afile/runs/x: .*afile is not a directory$"):
-        RunCache(tmp_path / "afile" / "runs" / "x").check("$VTOKEN_RUN_CACHE_DIR")
-    RunCache(tmp_path / "new" / "runs").check("--cache-dir")  # made at the first write: nothing made here
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    with pytest.raises(ConfigError, match=r"^--cache-dir .*/afile: .*afile is a file, not a directory$"):
+        build_cache(tmp_path / "afile", no_cache=False)
+    monkeypatch.setenv("VTOKEN_RUN_CACHE_DIR", str(tmp_path / "afile" / "runs"))
+    with pytest.raises(ConfigError, match=r"^\$VTOKEN_RUN_CACHE_DIR .*afile/runs: .*afile is a file, not a directory$"):
+        build_cache(None, no_cache=False)
+    assert build_cache(tmp_path / "new" / "runs", no_cache=False).directory == tmp_path / "new" / "runs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # made at the first write: nothing made here
 
 
-def test_a_cache_that_cannot_be_written_is_one_error_naming_it_before_any_replay(tmp_path) -> None:
+def test_a_cache_write_that_fails_is_one_error_naming_the_directory(tmp_path) -> None:
     (tmp_path / "afile").write_text("x")
-    cache = RunCache(tmp_path / "afile" / "runs")  # not checked: as if it went away after the check
-    replayer = SimReplayer(runner=CountingRunner(), cache=cache)
+    cache = RunCache(tmp_path / "afile" / "runs")  # as if it went bad after the command's check
+    job = ReplayJob(make_run(), REQUESTS)
     with pytest.raises(VTokenError, match=r"^cannot write the run cache at .*afile/runs: Not a directory \(--no-cache"):
-        replayer.run(make_run(), REQUESTS)
-    assert replayer.runner.replayed == []
-    with pytest.raises(VTokenError, match=r"^cannot write the run cache at .*afile/runs: Not a directory"):
-        cache.put(ReplayJob(make_run(), REQUESTS), replay_job(ReplayJob(make_run(), REQUESTS)))
+        cache.put(job, replay_job(job))
 
 
 def cached_replayer(tmp_path: Path) -> SimReplayer:

@@ -17,9 +17,9 @@ The key is the sha256 of a canonical JSON of:
   longer gives. Any edit under vtoken/ invalidates everything, which is the safe direction.
   numpy's version is in because the synthetic attention draws from its generators.
 
-A directory that cannot hold the cache is refused before anything runs (`check`, which the
-commands call on --cache-dir or the default), and the directory is made before the first
-replay; a write that fails anyway is a VTokenError that names the directory. A result is
+The commands refuse a directory vtoken could not write before anything runs
+(vtoken_cli.options.build_cache); a write that fails anyway (a full disk) is a VTokenError that
+names the directory. A result is
 stored as a pickle (the `RunResult`, timeline included), written to a temporary file and
 renamed into place, so a run killed mid-write leaves no partial entry and an interrupted sweep
 keeps every replay it finished. A result read back keeps the host time it was
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from vtoken import __version__
-from vtoken.errors import ConfigError, VTokenError
+from vtoken.errors import VTokenError
 from vtoken.metrics import RunResult
 from vtoken.paths import run_cache_dir
 from vtoken.runners import ReplayJob
@@ -69,25 +69,6 @@ class RunCache:
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError):
             return None
         return result if isinstance(result, RunResult) else None
-
-    def check(self, source: str) -> None:
-        """Refuse, with a ConfigError that names `source` (where the directory came from), a
-        directory that is not one or could not be made: the nearest of it and its parents that
-        exists must be a directory this process may write into. Changes nothing."""
-        existing = self.directory
-        while not existing.exists() and existing.parent != existing:
-            existing = existing.parent
-        if not existing.is_dir():
-            raise ConfigError(f"{source} {self.directory}: {existing} is not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise ConfigError(f"{source} {self.directory}: cannot write into {existing}")
-
-    def make_directory(self) -> None:
-        """Make the directory (and its parents) now, before the replays whose results it keeps."""
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise self._unwritable(exc) from None
 
     def put(self, job: ReplayJob, result: RunResult) -> None:
         path = self._path(job_key(job))

@@ -165,8 +165,6 @@ class SimReplayer:
         # a replay streams its tokens every step: look its index up once, not by the job (whose hash
         # walks every request) at every report
         first_idx = [indices[job][0] for job in missing]
-        if missing and self.cache is not None:
-            self.cache.make_directory()  # a cache that cannot be written fails here, not after a replay
         streamed = (lambda missing_idx, n: on_tokens(first_idx[missing_idx], n)) if on_tokens else None
         self.runner.map(replay_job, missing, store, streamed)
         return [self._results[job] for job in jobs]

@@ -98,22 +98,24 @@ def _root(
     """vtoken: token-level KV eviction diagnostics for paged KV caches (vLLM and similar engines)."""
 
 
+TERMINATED_EXIT_CODE = 128 + signal.SIGTERM
+_sigterm_received = False  # Ray's wait ends a wait the signal interrupted with a SystemExit(1) of its own
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminated)
     try:
         app(prog_name="vtoken")
     except SystemExit:
-        if _terminated.received:  # whatever ended the unwinding (Ray's wait exits 1 of its own)
-            raise SystemExit(128 + signal.SIGTERM) from None
+        if _sigterm_received:  # the exit code is the signal's, whatever ended the unwinding
+            raise SystemExit(TERMINATED_EXIT_CODE) from None
         raise
 
 
 def _terminated(signum: int, frame) -> None:
     """SIGTERM (kill, a scheduler's time limit) ends a command as Ctrl-C does, unwinding: the
     worker processes, a Ray cluster and a server it started end with it, and an --output it was
-    writing is not left half-written. Exit code 128 + 15."""
-    _terminated.received = True
-    raise SystemExit(128 + signum)
-
-
-_terminated.received = False
+    writing is not left half-written."""
+    global _sigterm_received
+    _sigterm_received = True
+    raise SystemExit(TERMINATED_EXIT_CODE)

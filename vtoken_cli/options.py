@@ -25,6 +25,7 @@ from vtoken.paths import run_cache_dir_source
 from vtoken.policies import POLICIES, resolve_policy_name
 from vtoken.policies import base as policy_base
 from vtoken.trace import TRACE_FORMATS
+from vtoken_cli.output import require_writable
 
 # `--executor` of compare and check-invariants: the cost model, transformers, vLLM.
 EXECUTORS = ("sim", "hf", "vllm")
@@ -306,11 +307,12 @@ def build_tokenizer(name_or_path: str | None, on_status=None):
 
 def build_cache(cache_dir: Path | None, no_cache: bool) -> RunCache | None:
     """The cache of `--cache-dir` / `--no-cache`: none with --no-cache, else the directory given
-    or the default one, refused (ConfigError) where it cannot be (`RunCache.check`)."""
+    or the default one, refused (ConfigError) where vtoken could not write it (output.require_writable)."""
     if no_cache:
         return None
     cache = RunCache(cache_dir if cache_dir is not None else default_cache_dir())
-    cache.check("--cache-dir" if cache_dir is not None else run_cache_dir_source())
+    source = "--cache-dir" if cache_dir is not None else run_cache_dir_source()
+    require_writable(cache.directory, f"{source} {cache.directory}")
     return cache
 
 

@@ -54,7 +54,7 @@ def check_output_dir(path: Path, force: bool) -> None:
         raise ConfigError(f"--output {path}: is a symbolic link; give the directory itself")
     if path.exists():
         _check_existing(path, force)
-    _require_writable(path)
+    require_writable(path.absolute().parent, f"--output {path}")
 
 
 def write_output_dir(path: Path, writers: list[Writer], force: bool) -> list[str]:
@@ -191,17 +191,20 @@ def _check_existing(path: Path, force: bool) -> None:
                           f"{', ...' if len(foreign) > 1 else ''}); --force replaces only what vtoken wrote")
 
 
-def _require_writable(path: Path) -> None:
-    """A probe directory made and removed in the nearest existing ancestor of `path`'s parent."""
-    ancestor = path.absolute().parent
+def require_writable(directory: Path, label: str) -> None:
+    """Refuse (ConfigError, `label` first) a `directory` that vtoken could not make or write
+    into, before any work: a probe directory is made and removed in it, or in its nearest
+    existing ancestor, so a read-only directory, `/proc/x` or a file on the way fails at once.
+    For `--output`'s parent and the run cache (options.build_cache)."""
+    ancestor = directory
     while not ancestor.exists() and not ancestor.is_symlink():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise ConfigError(f"--output {path}: {ancestor} is a file, not a directory")
+        raise ConfigError(f"{label}: {ancestor} is a file, not a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".vtoken-probe-", dir=ancestor))
     except OSError as exc:
-        raise ConfigError(f"--output {path}: cannot create a directory in {ancestor} ({exc.strerror})") from None
+        raise ConfigError(f"{label}: cannot create a directory in {ancestor} ({exc.strerror})") from None
 
 
 def _relative_entries(directory: Path) -> set[str]:
