@@ -239,6 +239,11 @@ class SubstrateMachine(RuleBasedStateMachine):
                 assert table.num_blocks_over_uncompacted() == max(0, table.num_blocks - num_uncompacted)
 
     @invariant()
+    def the_reclaimable_bound_matches_a_recount(self) -> None:
+        for table in self.tables.values():  # the verbs keep it; here it is counted from scratch
+            assert table.max_reclaimable_blocks() == recounted_bound(table)
+
+    @invariant()
     def pool_metrics_match_a_recount(self) -> None:
         allocated = self.pool.ref_counts > 0
         live = self.pool.live_counts[allocated]
@@ -248,6 +253,18 @@ class SubstrateMachine(RuleBasedStateMachine):
             assert abs(self.pool.waste_ratio() - (1 - live.sum() / (live.size * S))) < 1e-12
         bins = np.minimum(live * NUM_HISTOGRAM_BINS // S, NUM_HISTOGRAM_BINS - 1)
         assert self.pool.utilization_histogram().tolist() == np.bincount(bins, minlength=NUM_HISTOGRAM_BINS).tolist()
+
+
+def recounted_bound(table: TokenTable) -> int:
+    """The O(1) bound from its definition: the held blocks past the pinned prefix but the open
+    tail, less ceil(the live tokens past the pinned prefix, those written to the open tail left
+    out, / S)."""
+    blocks = table.held_block_ids[table.num_pinned_blocks :]
+    live = table.num_live_tokens - table.num_pinned_tokens
+    is_open = blocks.size and table.tail_num_written < S
+    if is_open:
+        blocks, live = blocks[:-1], live - table.tail_num_written
+    return blocks.size - -(-live // S)
 
 
 SubstrateMachine.TestCase.settings = settings(

@@ -845,6 +845,22 @@ def test_release_all_returns_every_block_and_leaves_nothing_live() -> None:
     assert pool.num_free_blocks == 16
 
 
+def test_the_reclaimable_bound_follows_release_all_and_the_tail_cursor() -> None:
+    """The two verbs that recount the bound's free slots and that the substrate's state machine
+    does not reach with a table it still checks."""
+    table = make_table(make_pool(), 10)  # blocks 0, 1 full; block 2 open at 2
+    evict(table, [1, 2, 5, 6])  # 4 live in blocks 0 and 1: one of them could go
+    assert table.max_reclaimable_blocks() == 1
+    table.release_all()
+    assert table.max_reclaimable_blocks() == 0
+    table = make_table(make_pool(), 11)  # blocks 0, 1 full; block 2 open at 3
+    evict(table, [1, 2, 3, 9])  # block 0: token 0; the tail: tokens 8 and 10
+    assert table.max_reclaimable_blocks() == 1  # the bound takes 3 tail tokens out, 2 are live
+    table.apply_moves(make_moves([(10, 2, 2, 2, 1)]))
+    table.set_tail_cursor(2)
+    assert table.max_reclaimable_blocks() == 0  # 5 live in blocks 0 and 1: neither can go
+
+
 # ---- shared prefixes ---------------------------------------------------------------------
 
 

@@ -47,6 +47,7 @@ class EvictionVerbs:
         if reason:
             self._refuse_eviction(reason, token_id)
         self._num_dead += token_ids.size
+        self._num_holes += token_ids.size
         self._uncompacted_floor -= num_logical_emptied
         self._cache.is_valid = False
         self.layout_version += 1
@@ -114,6 +115,7 @@ class EvictionVerbs:
         if self._cache.is_valid:  # the slot list's reader drops the entry when it next reads
             self._cache.remove_later(token_id)
         self._num_dead += 1
+        self._num_holes += 1
         self._uncompacted_floor -= 1
         self.layout_version += 1
 

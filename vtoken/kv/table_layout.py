@@ -31,14 +31,32 @@ class LayoutCounts:
         tokens would give back: the held blocks past the pinned prefix but the open tail, as if
         none were shared, with at most the cursor's count of live tokens taken out for the
         tail. A bound, because leaving out a block with at most S live tokens never raises the
-        count, nor does counting fewer live tokens (the reclaimer's cheap pre-filter)."""
+        count, nor does counting fewer live tokens (the reclaimer's cheap pre-filter).
+
+        Those blocks less ceil(their live tokens / S) is floor(their free slots / S), the free
+        slots counted as S per block less the live tokens: `_num_holes`, which the verbs keep
+        (`_recount_holes`), so that a round's ranking reads one number per request."""
+        return self._num_holes // self.block_size
+
+    def _recount_holes(self) -> None:
+        """`_num_holes` from the table's counters, after a verb dropped or added held blocks or
+        set the tail cursor back. The other verbs leave it as it is or add to it:
+
+        - an append, of one token or many: into an open tail, no counted block or live token
+          changes (the tail is left out); filling the tail counts one block more and S live
+          tokens more; opening a new tail counts the full one and leaves the open one out;
+        - pinning a prefix takes whole blocks of S live tokens out of both counts, and a shared
+          prefix is attached to a table with no token (nothing counted before or after);
+        - an eviction adds one free slot, wherever the token sat (a dead token is counted out of
+          the live ones), and the eviction verbs add it;
+        - a move changes none of the counts it is made from (held blocks, tokens, the cursor)."""
         block_size, num_pinned = self.block_size, self.num_pinned_tokens
         num_blocks = self._num_held - num_pinned // block_size
         num_live = self.num_tokens - self._num_dead - num_pinned
         if num_blocks > 0 and self.tail_num_written < block_size:
             num_blocks -= 1
             num_live -= self.tail_num_written
-        return num_blocks - -(-num_live // block_size)
+        self._num_holes = block_size * num_blocks - num_live
 
     @staticmethod
     def candidate_blocks_each(tables: Sequence[TokenTable]) -> tuple[np.ndarray, np.ndarray]:

@@ -39,6 +39,7 @@ class RelocationVerbs:
         self._push_held(np.concatenate((block_ids, tail)))
         if tail.size:
             self._tail_slot, self.tail_num_written = tail_slot, cursor
+        self._recount_holes()
         self.layout_version += 1
 
     def apply_moves(self, moves: Moves, checked_at_version: int | None = None) -> None:
@@ -208,6 +209,7 @@ class RelocationVerbs:
             self._tail_slot = int(self._held[self._num_held - 1]) * self.block_size if self._num_held else 0
             self.tail_num_written = self.block_size if was_full and self._num_held else self._cursor_after_last_live()
             self._off_logical_layout |= not was_full  # the next tokens go where the cursor was handed back
+        self._recount_holes()
         self.layout_version += 1
 
     def set_tail_cursor(self, num_written: int) -> None:
@@ -221,6 +223,7 @@ class RelocationVerbs:
             raise VTokenError(f"request {self.req_id}: a live token sits at or past tail offset {num_written}")
         self.tail_num_written = num_written
         self._off_logical_layout = True
+        self._recount_holes()
         self.layout_version += 1
 
     def live_ids_in(self, block_ids: np.ndarray) -> np.ndarray:
@@ -247,6 +250,7 @@ class RelocationVerbs:
         self.num_pinned_tokens = 0  # nothing held, nothing pinned
         self.tail_num_written = 0
         self._tail_slot = 0
+        self._recount_holes()
         self.layout_version += 1
         return block_ids
 

@@ -54,6 +54,7 @@ class TokenTable(EvictionVerbs, RelocationVerbs, LayoutCounts):
         self._token_at = pool.token_at  # the pool's reverse map; the same array for the pool's life
         self.num_tokens = 0
         self._num_dead = 0
+        self._num_holes = 0  # the O(1) reclaimable bound's free slots (table_layout.py)
         self.num_pinned_tokens = 0  # a shared prefix: never evicted, never relocated
         self.tail_num_written = 0
         self._tail_slot = 0  # slot of offset 0 of the tail block
