@@ -3,7 +3,7 @@ TRACE --open-loop --no-sweep --no-frontier --variants V` replays (default model,
 budget, H2O at 50%). Host seconds, not a test.
 
     python benchmarks/bench_variants.py [--azure PATH] [--rounds 2] [--max-requests N] [--eviction-interval T]
-                                        [--variants V,...] [--interleave STEPS] [--phases]
+                                        [--variants V,...] [--interleave STEPS] [--phases] [--step-costs]
 
 The trace is read once; a short replay of every variant warms up (imports, first allocations)
 and is not counted; then each round replays every variant, the order reversed every other
@@ -36,16 +36,32 @@ step: planning's `hole_fill_round` (the movable blocks, the order and the plans)
 landing's `land_moves` (what is left of each phase is Python and numpy calls). Every variant counts a step's appends in the pool at the pool's first read after
 them, in one batch (`appends`, `BlockPool.flush_deferred`). The timers wrap the functions,
 about a microsecond a call, and nest, so this replay is not one of the rounds.
+
+`--step-costs`: then one more replay of every variant that evicts, with the host time of each
+step's KV-memory work set against the step's modelled duration (what `execute` returned): the
+eviction's memory side (`_apply_eviction`: the table's and the pool's, the blocks it emptied
+freed, and vtoken's layout trigger) and vtoken's reclamation (`_reclaim`, from the schedule's
+pressure packing, the layout trigger or the lazy round after the step; with the sim's
+synchronous copies its landing is inside it), this process's CPU time (a shared host's other
+work does not land in it; a garbage collection does), each call timed once where they nest.
+What bench_substrate.py's goal measures on its synthetic batch (evict + reclaim against the
+modelled step), here in the engine's own loop, where the step's other work (the schedule, the
+policy's decisions, the sim's cost model) runs between two rounds. Per variant: the steps with
+such work, its mean (total host time over total modelled time), the distribution of its share
+of each step, and the worst step: what ran in it.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import gc
 import os
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from replay_inputs import checked_replay, fail, replayed
 
@@ -53,11 +69,13 @@ from vtoken import defaults, invariants
 from vtoken.compare import variant_to_json
 from vtoken.engine import VARIANTS, Experiment, Runtime, SimExecutor, run_sim, sim_runtime
 from vtoken.engine.eviction import EvictionSchedule
+from vtoken.errors import ConfigError
 from vtoken.kv import compiled
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.reclaim import Reclaimer
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import RunResult
+from vtoken_cli.options import parse_reclaim_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -93,19 +111,29 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--eviction-interval", type=int, default=defaults.EVICTION_INTERVAL_TOKENS,
                         help="the policy runs every T generated tokens (1: every request evicts every step)")
+    parser.add_argument("--reclaim-budget", metavar="N|none", default=None,
+                        help="tokens a lazy round moves per step (vtoken compare's --reclaim-budget); default: as shipped")
     parser.add_argument("--interleave", type=int, metavar="STEPS",
                         help="replay the variants of a round side by side, STEPS steps of each in turn")
     parser.add_argument("--phases", action="store_true", help="then one replay per variant with the runtime's phases timed")
+    parser.add_argument("--step-costs", action="store_true",
+                        help="then one replay per evicting variant with each step's KV-memory work timed against its modelled step")
     args = parser.parse_args()
     variants = checked_replay(SCRIPT, args.variants, args.azure, args.max_requests)
     if args.rounds < 1:
         fail(SCRIPT, f"--rounds must be at least 1, got {args.rounds}")
     if args.interleave is not None and args.interleave < 1:
         fail(SCRIPT, f"--interleave must be at least 1 step, got {args.interleave}")
+    try:
+        budget = parse_reclaim_budget(args.reclaim_budget) if args.reclaim_budget is not None else defaults.RECLAIM_MOVES_PER_STEP
+    except ConfigError as exc:
+        fail(SCRIPT, str(exc))
     experiment, requests = replayed(args.azure, args.max_requests, args.eviction_interval)
+    experiment = dataclasses.replace(experiment, reclaim=dataclasses.replace(experiment.reclaim, max_moves_per_step=budget))
     how = f"side by side, {args.interleave} steps a turn" if args.interleave else "one after another"
     print(f"{len(requests)} requests, open loop, {experiment.model.name} on {experiment.gpu.name}, {experiment.num_blocks} blocks, "
-          f"eviction every {args.eviction_interval} tokens, variants {how}, "
+          f"eviction every {args.eviction_interval} tokens, a lazy round's budget {experiment.reclaim.max_moves_per_step} tokens a step, "
+          f"variants {how}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start", flush=True)
     for variant in variants:
         run_sim(experiment.run(variant, None), requests[:NUM_WARMUP_REQUESTS])
@@ -149,6 +177,9 @@ def main() -> None:
             for phase, _, _ in PHASES:
                 if calls[phase]:
                     print(f"{variant:12s} {phase:15s} {seconds[phase]:8.2f} {calls[phase]:8d} {1e6 * seconds[phase] / calls[phase]:11.1f}")
+    if args.step_costs:
+        print_step_costs({variant: step_costs(lambda: run_sim(experiment.run(variant, None), requests))
+                          for variant in variants if variant != "native"})
 
 
 def alone(experiment: Experiment, variant: str, requests: list) -> tuple[RunResult, float, float]:
@@ -193,6 +224,116 @@ def steps(runtime: Runtime, num_steps: int) -> None:
         if not runtime.has_work():
             return
         runtime.step()
+
+
+class StepCost(NamedTuple):
+    """One step's KV-memory work (`--step-costs`): its host seconds and the step's modelled
+    seconds, the requests it ran, the eviction events and reclamation triggers in it (as
+    `Runtime.reclaim_work` names them), the tokens its plans moved, and the seconds of the
+    garbage collections that ran inside that work (a collection runs where an allocation
+    crosses its threshold, whichever code that is: counted, and the worst step is also given
+    without the steps that had one)."""
+
+    host_s: float
+    modelled_s: float
+    num_requests: int
+    num_evictions: int
+    triggers: tuple[str, ...]
+    num_tokens_moved: int
+    gc_s: float  # of host_s, Python's garbage collections that ran inside the work
+
+    @property
+    def share(self) -> float:
+        return self.host_s / self.modelled_s
+
+
+# what --step-costs times: (owner, name), each call timed once where they nest
+MEMORY_WORK = ((Runtime, "_apply_eviction"), (Runtime, "_reclaim"), (Runtime, "_complete"))
+
+
+def step_costs(replay) -> list[StepCost]:
+    """Every step of `replay()` that did KV-memory work (MEMORY_WORK) and ran a forward, with
+    that work's CPU seconds (the functions wrapped, then restored)."""
+    costs: list[StepCost] = []
+    current = {"host_s": 0.0, "depth": 0, "evictions": 0, "modelled_s": None, "requests": 0, "gc_s": 0.0, "gc_started": 0.0}
+
+    def on_collection(phase: str, info: dict) -> None:
+        if not current["depth"]:
+            return
+        if phase == "start":
+            current["gc_started"] = time.process_time()
+        else:
+            current["gc_s"] += time.process_time() - current["gc_started"]
+
+    def timed(name: str, function):
+        def call(runtime, *args, **kwargs):
+            current["depth"] += 1
+            started = time.process_time()
+            try:
+                return function(runtime, *args, **kwargs)
+            finally:
+                current["depth"] -= 1
+                if not current["depth"]:
+                    current["host_s"] += time.process_time() - started
+                current["evictions"] += name == "_apply_eviction"
+        return call
+
+    def execute(runtime, batch):
+        current["modelled_s"] = own_execute(runtime, batch)
+        current["requests"] = len(batch.decode) + len(batch.prefill)
+        return current["modelled_s"]
+
+    def step(runtime):
+        moved_before = {trigger: work.num_tokens_moved for trigger, work in runtime.reclaim_work.items()}
+        rounds_before = {trigger: work.num_rounds for trigger, work in runtime.reclaim_work.items()}
+        current.update(host_s=0.0, evictions=0, modelled_s=None, requests=0, gc_s=0.0)
+        own_step(runtime)
+        if current["host_s"] and current["modelled_s"]:
+            work = runtime.reclaim_work
+            costs.append(StepCost(current["host_s"], current["modelled_s"], current["requests"], current["evictions"],
+                                  tuple(t for t in work if work[t].num_rounds > rounds_before.get(t, 0)),
+                                  sum(work[t].num_tokens_moved - moved_before.get(t, 0) for t in work), current["gc_s"]))
+
+    own_step, own_execute = Runtime.step, Runtime.execute
+    wrapped = [(owner, name, getattr(owner, name)) for owner, name in MEMORY_WORK]
+    gc.callbacks.append(on_collection)
+    try:
+        for owner, name, function in wrapped:
+            setattr(owner, name, timed(name, function))
+        Runtime.step, Runtime.execute = step, execute
+        replay()
+    finally:
+        gc.callbacks.remove(on_collection)
+        for owner, name, function in wrapped:
+            setattr(owner, name, function)
+        Runtime.step, Runtime.execute = own_step, own_execute
+    return costs
+
+
+def print_step_costs(costs: dict[str, list[StepCost]]) -> None:
+    print("\neach step's KV-memory work (the eviction's memory side, the reclamation) against the step's modelled "
+          "duration, CPU time; its share of a step: its host time / the step's modelled time; gc: the steps in "
+          "whose work a garbage collection ran")
+    print(f"{'variant':12s} {'steps':>7s} {'mean':>6s} {'median':>6s} {'p99':>6s} {'p99.9':>6s} {'> 1%':>6s} {'gc':>4s} "
+          f"{'worst':>8s} {'no gc':>6s}  the worst step without a garbage collection")
+    for variant, steps in costs.items():
+        if not steps:
+            print(f"{variant:12s} {0:7d}  (no step did KV-memory work)")
+            continue
+        shares = sorted(step.share for step in steps)
+        mean = sum(step.host_s for step in steps) / sum(step.modelled_s for step in steps)
+        quantile = lambda q: shares[min(len(shares) - 1, int(q * len(shares)))]  # noqa: E731
+        without_gc = [step for step in steps if not step.gc_s]
+        worst_without_gc = "     -  (a collection ran in every step's work)"
+        if without_gc:
+            worst = max(without_gc, key=lambda step: step.share)
+            what = ", ".join((*(f"{trigger} reclamation" for trigger in worst.triggers),
+                              *([f"{worst.num_evictions} eviction event(s)"] if worst.num_evictions else [])))
+            worst_without_gc = (f"{100 * worst.share:5.2f}%  {1e6 * worst.host_s:.0f} us of a {1e3 * worst.modelled_s:.1f} ms "
+                                f"step of {worst.num_requests} requests: {what}, {worst.num_tokens_moved} tokens moved")
+        print(f"{variant:12s} {len(steps):7d} {100 * mean:5.2f}% {100 * quantile(0.5):5.2f}% {100 * quantile(0.99):5.2f}% "
+              f"{100 * quantile(0.999):5.2f}% {sum(share > 0.01 for share in shares):6d} {len(steps) - len(without_gc):4d} "
+              f"{100 * shares[-1]:7.2f}% {worst_without_gc}")
 
 
 def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:

@@ -1,6 +1,7 @@
 """benchmarks/bench_variants.py runs end to end on the bundled sample: every variant's row, the
-same results in every round, and with --phases the runtime's phases per variant (eviction only
-where the variant evicts, reclamation only in vtoken); the variants replayed side by side
+same results in every round, with --phases the runtime's phases per variant (eviction only
+where the variant evicts, reclamation only in vtoken), and with --step-costs each evicting
+variant's steps' memory work against the modelled step; the variants replayed side by side
 (--interleave) give the results each gives alone; bad input is a one-line error. No timing is
 checked."""
 
@@ -11,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     completed = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_variants.py"), "--azure", str(ROOT / "sample_traces" / "azure_conv_sample.csv"),
-         "--max-requests", "120", "--rounds", "2", "--phases"],
+         "--max-requests", "120", "--rounds", "2", "--phases", "--step-costs"],
         capture_output=True, text=True, env=env, timeout=600, check=False)
     assert completed.returncode == 0, completed.stderr
     assert "same results in every round: True" in completed.stdout
@@ -43,6 +45,12 @@ def test_the_variants_bench_runs_on_the_sample_with_phases() -> None:
     for phase in ("hole_fill_round", "round_passes", "land_moves"):
         assert ("naive-evict", phase) not in phases and phases[("vtoken", phase)] > 0
     assert phases[("vtoken", "land_moves")] <= phases[("vtoken", "round_passes")] <= phases[("vtoken", "plans_pass")]
+    # --step-costs: a row per evicting variant, its worst step named; reclamation in vtoken's alone
+    rows = {m["variant"]: m for m in re.finditer(
+        r"^(?P<variant>native|naive-evict|vtoken)\s+(?P<steps>\d+)\s+(?:[\d.]+%\s+){4}\d+\s+\d+\s+[\d.]+%\s+[\d.]+%\s+\d+ us of a "
+        r"[\d.]+ ms step of \d+ requests: (?P<what>.*), (?P<moved>\d+) tokens moved$", completed.stdout, re.MULTILINE)}
+    assert set(rows) == {"naive-evict", "vtoken"} and all(int(row["steps"]) > 0 for row in rows.values())
+    assert "reclamation" not in rows["naive-evict"]["what"] and rows["naive-evict"]["moved"] == "0"
 
 
 def test_variants_side_by_side_give_the_results_each_gives_alone() -> None:
@@ -69,6 +77,49 @@ def test_variants_side_by_side_give_the_results_each_gives_alone() -> None:
     assert side_by_side["vtoken"][0].pressure_reclaim.num_plans > 0 and side_by_side["vtoken"][0].lazy_reclaim.num_plans > 0
 
 
+def test_step_costs_times_each_steps_memory_work_and_restores_the_runtime() -> None:
+    """--step-costs: every step with eviction or reclamation work is one entry, with its
+    modelled duration, and the tokens its plans moved add up to the run's; the runtime's
+    methods are its own again after."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_variants import step_costs
+        from replay_inputs import replayed
+    finally:
+        sys.path.pop(0)
+    from vtoken.engine import Runtime, sim_runtime
+
+    experiment, requests = replayed(str(ROOT / "sample_traces" / "azure_conv_sample.csv"), 80)
+    experiment = dataclasses.replace(experiment, num_blocks=experiment.num_blocks // 40)  # pressure packing too
+    own = Runtime.step, Runtime.execute, Runtime._reclaim, Runtime._apply_eviction, Runtime._complete
+    runtimes = {variant: sim_runtime(experiment.run(variant, None), requests) for variant in ("naive-evict", "vtoken")}
+    slowed: list[int] = []  # the first few reclamations of vtoken take 20 ms of CPU more: their steps must show it
+
+    def slow_reclaim(runtime, *args, **kwargs):
+        if len(slowed) < 3:
+            slowed.append(runtime.num_iterations)
+            started = time.process_time()
+            while time.process_time() < started + 0.02:
+                pass
+        return own[2](runtime, *args, **kwargs)
+
+    Runtime._reclaim = slow_reclaim
+    try:
+        costs = {variant: step_costs(runtime.run) for variant, runtime in runtimes.items()}
+    finally:
+        Runtime._reclaim = own[2]
+    assert (Runtime.step, Runtime.execute, Runtime._reclaim, Runtime._apply_eviction, Runtime._complete) == own
+    assert len(slowed) == 3 and sum(step.host_s >= 0.02 for step in costs["vtoken"]) >= len(set(slowed))
+    for variant, steps in costs.items():
+        runtime = runtimes[variant]
+        assert 0 < len(steps) <= runtime.num_iterations
+        assert all(step.host_s > 0 and step.modelled_s > 0 and 0 < step.num_requests and 0 <= step.gc_s <= step.host_s for step in steps)
+        assert sum(step.num_evictions for step in steps) == runtime.counters.eviction_events > 0
+        assert sum(step.num_tokens_moved for step in steps) == sum(work.num_tokens_moved for work in runtime.reclaim_work.values())
+    assert not any(step.triggers for step in costs["naive-evict"])
+    assert {"lazy", "pressure"} <= {trigger for step in costs["vtoken"] for trigger in step.triggers}
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (("--variants", "native,fast"), "--variants: unknown variant 'fast'; known: native, naive-evict, vtoken"),
     (("--max-requests", "0"), "--max-requests must be at least 1, got 0"),
@@ -76,6 +127,7 @@ def test_variants_side_by_side_give_the_results_each_gives_alone() -> None:
     (("--interleave", "0", "--azure", str(ROOT / "sample_traces" / "azure_conv_sample.csv")),
      "--interleave must be at least 1 step, got 0"),
     (("--azure", "/nonexistent/trace.csv"), "--azure: no trace at /nonexistent/trace.csv"),
+    (("--reclaim-budget", "0"), "--reclaim-budget must be an integer > 0 or 'none', got '0'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
