@@ -241,6 +241,9 @@ class StepCost(NamedTuple):
     triggers: tuple[str, ...]
     num_tokens_moved: int
     gc_s: float  # of host_s, Python's garbage collections that ran inside the work
+    # the step's lazy reclamation: "first" launched a round's first plans (no round was in
+    # progress, or the one in progress had launched none), "later" went on with one, "" none
+    round_step: str = ""
 
     @property
     def share(self) -> float:
@@ -283,16 +286,27 @@ def step_costs(replay) -> list[StepCost]:
         current["requests"] = len(batch.decode) + len(batch.prefill)
         return current["modelled_s"]
 
+    launched_in_round = [False]  # the lazy round in progress has launched plans
+
     def step(runtime):
         moved_before = {trigger: work.num_tokens_moved for trigger, work in runtime.reclaim_work.items()}
         rounds_before = {trigger: work.num_rounds for trigger, work in runtime.reclaim_work.items()}
+        in_round = runtime.reclaimer is not None and runtime.reclaimer.is_round_in_progress
         current.update(host_s=0.0, evictions=0, modelled_s=None, requests=0, gc_s=0.0)
         own_step(runtime)
+        work = runtime.reclaim_work
+        lazy_moved = work["lazy"].num_tokens_moved - moved_before["lazy"]
+        round_step = ""
+        if lazy_moved:
+            round_step = "later" if in_round and launched_in_round[0] else "first"
+            launched_in_round[0] = True
+        if runtime.reclaimer is not None and not runtime.reclaimer.is_round_in_progress:
+            launched_in_round[0] = False
         if current["host_s"] and current["modelled_s"]:
-            work = runtime.reclaim_work
             costs.append(StepCost(current["host_s"], current["modelled_s"], current["requests"], current["evictions"],
                                   tuple(t for t in work if work[t].num_rounds > rounds_before.get(t, 0)),
-                                  sum(work[t].num_tokens_moved - moved_before.get(t, 0) for t in work), current["gc_s"]))
+                                  sum(work[t].num_tokens_moved - moved_before.get(t, 0) for t in work), current["gc_s"],
+                                  round_step))
 
     own_step, own_execute = Runtime.step, Runtime.execute
     wrapped = [(owner, name, getattr(owner, name)) for owner, name in MEMORY_WORK]
@@ -334,6 +348,13 @@ def print_step_costs(costs: dict[str, list[StepCost]]) -> None:
         print(f"{variant:12s} {len(steps):7d} {100 * mean:5.2f}% {100 * quantile(0.5):5.2f}% {100 * quantile(0.99):5.2f}% "
               f"{100 * quantile(0.999):5.2f}% {sum(share > 0.01 for share in shares):6d} {len(steps) - len(without_gc):4d} "
               f"{100 * shares[-1]:7.2f}% {worst_without_gc}")
+    for variant, steps in costs.items():
+        kinds = {kind: [step for step in steps if step.round_step == kind and not step.gc_s] for kind in ("first", "later")}
+        if kinds["first"] and kinds["later"]:
+            print(f"{variant}'s lazy round steps that launched plans, no collection in them, medians: " + "; ".join(
+                f"{kind} {len(of_kind)}: {1e6 * statistics.median(s.host_s for s in of_kind):.0f} us, "
+                f"{statistics.median(s.num_tokens_moved for s in of_kind):.0f} moves, "
+                f"{100 * statistics.median(s.share for s in of_kind):.2f}% of the step" for kind, of_kind in kinds.items()))
 
 
 def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:

@@ -90,7 +90,8 @@ def test_step_costs_times_each_steps_memory_work_and_restores_the_runtime() -> N
     from vtoken.engine import Runtime, sim_runtime
 
     experiment, requests = replayed(str(ROOT / "sample_traces" / "azure_conv_sample.csv"), 80)
-    experiment = dataclasses.replace(experiment, num_blocks=experiment.num_blocks // 40)  # pressure packing too
+    experiment = dataclasses.replace(experiment, num_blocks=experiment.num_blocks // 40,  # pressure packing too
+                                     reclaim=dataclasses.replace(experiment.reclaim, max_moves_per_step=64))  # rounds over several steps
     own = Runtime.step, Runtime.execute, Runtime._reclaim, Runtime._apply_eviction, Runtime._complete
     runtimes = {variant: sim_runtime(experiment.run(variant, None), requests) for variant in ("naive-evict", "vtoken")}
     slowed: list[int] = []  # the first few reclamations of vtoken take 20 ms of CPU more: their steps must show it
@@ -116,8 +117,13 @@ def test_step_costs_times_each_steps_memory_work_and_restores_the_runtime() -> N
         assert all(step.host_s > 0 and step.modelled_s > 0 and 0 < step.num_requests and 0 <= step.gc_s <= step.host_s for step in steps)
         assert sum(step.num_evictions for step in steps) == runtime.counters.eviction_events > 0
         assert sum(step.num_tokens_moved for step in steps) == sum(work.num_tokens_moved for work in runtime.reclaim_work.values())
-    assert not any(step.triggers for step in costs["naive-evict"])
+    assert not any(step.triggers or step.round_step for step in costs["naive-evict"])
     assert {"lazy", "pressure"} <= {trigger for step in costs["vtoken"] for trigger in step.triggers}
+    # a lazy round's steps that launched plans: its first, then the later ones, every lazy move in one of them
+    round_steps = [step for step in costs["vtoken"] if step.round_step]
+    assert round_steps[0].round_step == "first" and {step.round_step for step in round_steps} == {"first", "later"}
+    assert sum(step.num_tokens_moved for step in round_steps) >= runtimes["vtoken"].reclaim_work["lazy"].num_tokens_moved > 0
+    assert all("lazy" in step.triggers for step in round_steps)
 
 
 @pytest.mark.parametrize(("args", "message"), [
