@@ -4,8 +4,9 @@ and how many it holds beyond that; and, for a round's planning and its I4 check,
 blocks end to end at once.
 
 A mixin of `TokenTable` (token_table.py owns the state these methods read: the held blocks, the
-live bits, and for `num_blocks_over_uncompacted` a flag and a bound that the eviction and
-relocation verbs keep). Nothing here changes the mapping.
+live bits, for `num_blocks_over_uncompacted` a flag and a bound that the eviction and relocation
+verbs keep, and for the O(1) bound a count they keep, recounted here). Nothing here changes the
+mapping.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ class LayoutCounts:
         tail. A bound, because leaving out a block with at most S live tokens never raises the
         count, nor does counting fewer live tokens (the reclaimer's cheap pre-filter).
 
-        Those blocks less ceil(their live tokens / S) is floor(their free slots / S), the free
-        slots counted as S per block less the live tokens: `_num_holes`, which the verbs keep
-        (`_recount_holes`), so that a round's ranking reads one number per request."""
+        Those blocks less ceil(the live tokens counted / S) is floor(S per block less those
+        tokens, / S): `_num_holes` is that difference, which the verbs keep (`_recount_holes`),
+        so that a round's ranking reads one number per request."""
         return self._num_holes // self.block_size
 
     def _recount_holes(self) -> None:
