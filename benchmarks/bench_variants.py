@@ -124,6 +124,8 @@ def main() -> None:
         fail(SCRIPT, f"--rounds must be at least 1, got {args.rounds}")
     if args.interleave is not None and args.interleave < 1:
         fail(SCRIPT, f"--interleave must be at least 1 step, got {args.interleave}")
+    if args.step_costs and variants == ["native"] * len(variants):
+        fail(SCRIPT, "--step-costs times eviction and reclamation: add naive-evict or vtoken to --variants")
     try:
         budget = parse_reclaim_budget(args.reclaim_budget) if args.reclaim_budget is not None else defaults.RECLAIM_MOVES_PER_STEP
     except ConfigError as exc:

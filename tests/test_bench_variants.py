@@ -134,6 +134,8 @@ def test_step_costs_times_each_steps_memory_work_and_restores_the_runtime() -> N
      "--interleave must be at least 1 step, got 0"),
     (("--azure", "/nonexistent/trace.csv"), "--azure: no trace at /nonexistent/trace.csv"),
     (("--reclaim-budget", "0"), "--reclaim-budget must be an integer > 0 or 'none', got '0'"),
+    (("--variants", "native", "--step-costs", "--azure", str(ROOT / "sample_traces" / "azure_conv_sample.csv")),
+     "--step-costs times eviction and reclamation: add naive-evict or vtoken to --variants"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
