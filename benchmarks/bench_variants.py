@@ -260,7 +260,9 @@ def step_costs(replay) -> list[StepCost]:
     """Every step of `replay()` that did KV-memory work (MEMORY_WORK) and ran a forward, with
     that work's CPU seconds (the functions wrapped, then restored)."""
     costs: list[StepCost] = []
-    current = {"host_s": 0.0, "depth": 0, "evictions": 0, "modelled_s": None, "requests": 0, "gc_s": 0.0, "gc_started": 0.0}
+    # the step being timed, and whether the lazy round in progress has launched plans (across steps)
+    current = {"host_s": 0.0, "depth": 0, "evictions": 0, "modelled_s": None, "requests": 0, "gc_s": 0.0, "gc_started": 0.0,
+               "launched_in_round": False}
 
     def on_collection(phase: str, info: dict) -> None:
         if not current["depth"]:
@@ -288,8 +290,6 @@ def step_costs(replay) -> list[StepCost]:
         current["requests"] = len(batch.decode) + len(batch.prefill)
         return current["modelled_s"]
 
-    launched_in_round = [False]  # the lazy round in progress has launched plans
-
     def step(runtime):
         moved_before = {trigger: work.num_tokens_moved for trigger, work in runtime.reclaim_work.items()}
         rounds_before = {trigger: work.num_rounds for trigger, work in runtime.reclaim_work.items()}
@@ -300,10 +300,10 @@ def step_costs(replay) -> list[StepCost]:
         lazy_moved = work["lazy"].num_tokens_moved - moved_before["lazy"]
         round_step = ""
         if lazy_moved:
-            round_step = "later" if in_round and launched_in_round[0] else "first"
-            launched_in_round[0] = True
+            round_step = "later" if in_round and current["launched_in_round"] else "first"
+            current["launched_in_round"] = True
         if runtime.reclaimer is not None and not runtime.reclaimer.is_round_in_progress:
-            launched_in_round[0] = False
+            current["launched_in_round"] = False
         if current["host_s"] and current["modelled_s"]:
             costs.append(StepCost(current["host_s"], current["modelled_s"], current["requests"], current["evictions"],
                                   tuple(t for t in work if work[t].num_rounds > rounds_before.get(t, 0)),
