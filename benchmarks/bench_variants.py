@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import os
@@ -260,7 +261,8 @@ def step_costs(replay) -> list[StepCost]:
     """Every step of `replay()` that did KV-memory work (MEMORY_WORK) and ran a forward, with
     that work's CPU seconds (the functions wrapped, then restored)."""
     costs: list[StepCost] = []
-    # the step being timed, and whether the lazy round in progress has launched plans (across steps)
+    # the step being timed, and whether the lazy round in progress has launched plans (across steps:
+    # cleared after any step that leaves no round in progress)
     current = {"host_s": 0.0, "depth": 0, "evictions": 0, "modelled_s": None, "requests": 0, "gc_s": 0.0, "gc_started": 0.0,
                "launched_in_round": False}
 
@@ -293,16 +295,14 @@ def step_costs(replay) -> list[StepCost]:
     def step(runtime):
         moved_before = {trigger: work.num_tokens_moved for trigger, work in runtime.reclaim_work.items()}
         rounds_before = {trigger: work.num_rounds for trigger, work in runtime.reclaim_work.items()}
-        in_round = runtime.reclaimer is not None and runtime.reclaimer.is_round_in_progress
         current.update(host_s=0.0, evictions=0, modelled_s=None, requests=0, gc_s=0.0)
         own_step(runtime)
         work = runtime.reclaim_work
-        lazy_moved = work["lazy"].num_tokens_moved - moved_before["lazy"]
         round_step = ""
-        if lazy_moved:
-            round_step = "later" if in_round and current["launched_in_round"] else "first"
+        if work["lazy"].num_tokens_moved > moved_before["lazy"]:
+            round_step = "later" if current["launched_in_round"] else "first"
             current["launched_in_round"] = True
-        if runtime.reclaimer is not None and not runtime.reclaimer.is_round_in_progress:
+        if runtime.reclaimer is None or not runtime.reclaimer.is_round_in_progress:  # the next plans launched start a round
             current["launched_in_round"] = False
         if current["host_s"] and current["modelled_s"]:
             costs.append(StepCost(current["host_s"], current["modelled_s"], current["requests"], current["evictions"],
@@ -311,18 +311,13 @@ def step_costs(replay) -> list[StepCost]:
                                   round_step))
 
     own_step, own_execute = Runtime.step, Runtime.execute
-    wrapped = [(owner, name, getattr(owner, name)) for owner, name in MEMORY_WORK]
+    replacements = [(owner, name, timed(name, getattr(owner, name))) for owner, name in MEMORY_WORK]
     gc.callbacks.append(on_collection)
     try:
-        for owner, name, function in wrapped:
-            setattr(owner, name, timed(name, function))
-        Runtime.step, Runtime.execute = step, execute
-        replay()
+        with patched([*replacements, (Runtime, "step", step), (Runtime, "execute", execute)]):
+            replay()
     finally:
         gc.callbacks.remove(on_collection)
-        for owner, name, function in wrapped:
-            setattr(owner, name, function)
-        Runtime.step, Runtime.execute = own_step, own_execute
     return costs
 
 
@@ -361,7 +356,7 @@ def print_step_costs(costs: dict[str, list[StepCost]]) -> None:
 
 def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:
     """CPU seconds and calls of each of PHASES while `replay()` runs (the functions wrapped,
-    then restored: an inherited method is wrapped on the class named and removed from it after)."""
+    then restored: `patched`)."""
     seconds, calls = collections.Counter(), collections.Counter()
 
     def timed(phase: str, function):
@@ -374,19 +369,27 @@ def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:
                 calls[phase] += 1
         return call
 
-    restore = []
-    for phase, owner, name in PHASES:
-        restore.append((owner, name, vars(owner).get(name)))
-        setattr(owner, name, timed(phase, getattr(owner, name)))
-    try:
+    with patched([(owner, name, timed(phase, getattr(owner, name))) for phase, owner, name in PHASES]):
         replay()
+    return seconds, calls
+
+
+@contextlib.contextmanager
+def patched(replacements: list[tuple[object, str, object]]):
+    """Each (owner, name, value) set while the block runs, then what the owner had put back: an
+    inherited method set on the class named is removed from it after."""
+    restore = []
+    try:
+        for owner, name, value in replacements:
+            restore.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, value)
+        yield
     finally:
         for owner, name, own in reversed(restore):
             if own is None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, own)
-    return seconds, calls
 
 
 if __name__ == "__main__":
