@@ -1,7 +1,7 @@
 """Host-side cost of the vToken substrate per decode step, against the modelled step. A benchmark, not a test.
 
     python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
-                                         [--landing same-step|next-step] [--replays N]
+                                         [--landing same-step|next-step] [--reader none|slots] [--replays N]
                                          [--fit-budgets 256,512,1024,2048] [--replan-first]
                                          [--warm-round-code [verbs|compiled]] [--sweep-mb MB]
                                          [--repeats N] [--wall]
@@ -23,9 +23,12 @@ live token outside the sinks and the recent window: one in, one out, as at a pol
 state), all of a step's evictions in one `TokenTable.evict_one_each` call and the blocks they
 emptied in one `BlockPool.free`, and the reclaimer, whose step frees its source blocks in one
 call too. evict = that eviction call with releasing and freeing; reclaim = planning, applying
-and freeing; slots = every request's `slots()`, what a reader of the dense host slot list (the
-hf executor's attention) pays to bring it up to date after the step's evictions (the sim and
-vLLM executors never read it). The round cadences (default, whole-round, paced) are measured over one
+and freeing; slots = with `--reader slots`, every request's `slots()` after the step, what a
+reader of the dense host slot list (the hf executor's attention) pays to bring it up to date
+after the step's evictions; a list kept up to date also makes every eviction record its
+entry's removal (slot_cache.py), in evict. By default nothing reads the lists (`--reader
+none`): the sim's and the vLLM executor's engines never do, and the modelled step below is
+theirs. The round cadences (default, whole-round, paced) are measured over one
 whole cycle (from the step a round ends in to the step the next one ends in), so that the mean
 amortizes the round: 64 timed steps after the round, then (untimed) 32 steps at a time in bulk
 while F is more than 0.005 below theta_F, then timed steps up to and including the end of the
@@ -110,7 +113,7 @@ from typing import NamedTuple
 import numpy as np
 from substrate_workload import (
     BLOCK_SIZE, CADENCES, NUM_RECENT_TOKENS, NUM_SINK_TOKENS, EvictingRun, NativeTable, RoundStep, choose_victims, grow_one,
-    LANDINGS, ROUND_CADENCES, WARMINGS, budgeted_config, make_tables, modelled_step_us, num_pool_blocks,
+    LANDINGS, READERS, ROUND_CADENCES, WARMINGS, budgeted_config, make_tables, modelled_step_us, num_pool_blocks,
     paced_moves_per_step, reclaim_config,
 )
 
@@ -149,6 +152,7 @@ class EvictRow:
     context_tokens: int
     cadence: str
     landing: str  # when launched plans land (substrate_workload.LANDINGS)
+    reader: str  # who reads the slot lists after each step (substrate_workload.READERS)
     max_moves_per_step: int | None
     num_steps: int  # measured steps of the median repetition (the round cadences: one cycle)
     num_round_steps: int  # of them, steps the reclaimer planned in (a round started or went on) or, next-step, landed in
@@ -296,14 +300,14 @@ def measure_growth(num_requests: int, context_tokens: int, num_steps: int, num_r
 
 
 def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: float, seed: int, clock,
-               config: ReclaimConfig | None = None, landing: str = "same-step") -> EvictingRun:
+               config: ReclaimConfig | None = None, landing: str = "same-step", reader: str = "none") -> EvictingRun:
     """A run in its steady state: waste just under theta_F (random dead tokens in every
     request), then steps until a reclamation round ended (and a few more, every-step).
-    `config`: the reclaimer's, in place of the cadence's (a round cadence's); `landing`:
-    EvictingRun's."""
+    `config`: the reclaimer's, in place of the cadence's (a round cadence's); `landing`,
+    `reader`: EvictingRun's."""
     num_steps = {"default": 2 * MAX_CYCLE_STEPS, "whole-round": 2 * MAX_CYCLE_STEPS, "paced": 2 * MAX_CYCLE_STEPS, "every-step": 1024}[cadence]
     run = EvictingRun(num_requests, context_tokens, num_steps, config or reclaim_config(cadence, step_us),
-                      every_step=cadence == "every-step", seed=seed, clock=clock, landing=landing)
+                      every_step=cadence == "every-step", seed=seed, clock=clock, landing=landing, reader=reader)
     if cadence == "every-step":
         run.prefragment()
         run.run(2 * BLOCK_SIZE)
@@ -400,10 +404,10 @@ def replayed_worst_us(cycles: list[Cycle]) -> tuple[float, str]:
 
 def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int, cadence: str, num_repeats: int, clock,
                   replan_first: bool = False, landing: str = "same-step", num_replays: int = 1,
-                  warm_round_code: str | None = None, sweep_mb: int = 0) -> EvictRow:
+                  warm_round_code: str | None = None, sweep_mb: int = 0, reader: str = "none") -> EvictRow:
     """The round cadences: a cycle's mean, its ordinary steps weighted by their number in it
     and every step of the round added (`time_cycle`); the others: the mean of
-    `num_window_steps` steps. `replan_first`, `landing`, `warm_round_code`: EvictingRun's; `sweep_mb`:
+    `num_window_steps` steps. `replan_first`, `landing`, `warm_round_code`, `reader`: EvictingRun's; `sweep_mb`:
     its sweep_bytes, in megabytes.
     `num_replays` > 1 (round cadences): each repetition's cycle runs that many times in all,
     from the same seed, for its worst step replayed (`replayed_worst_us`)."""
@@ -414,7 +418,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     replayed: list[tuple[float, str]] = []  # per repetition: its worst step replayed, and what it was
 
     def repetition(seed: int) -> EvictingRun:  # a repetition's run, and each of its replays
-        run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=seed, clock=clock, landing=landing)
+        run = warmed_run(num_requests, context_tokens, cadence, step_us, seed=seed, clock=clock, landing=landing, reader=reader)
         run.replan_first = replan_first  # its first launching step does the same work in every replay
         run.warm_round_code = warm_round_code
         run.sweep_bytes = sweep_mb << 20
@@ -459,7 +463,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     first_columns = [(*s.parts_s, s.evict_s, s.replan_s) for s in firsts]  # the four parts, evictions, replanning
     first_medians = 1e6 * np.median(np.array(first_columns, dtype=np.float64), axis=0) if firsts else np.zeros(6)
     others = [s.reclaim_s for s in steps if not s.is_first]
-    return EvictRow(num_requests, context_tokens, cadence, landing, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
+    return EvictRow(num_requests, context_tokens, cadence, landing, reader, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
                     worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
                     len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]),
@@ -489,7 +493,7 @@ def fit_line(moved: np.ndarray, step_us: np.ndarray) -> tuple[float, float, floa
 
 
 def measure_budget_fit(num_requests: int, context_tokens: int, budgets: list[int], num_repeats: int,
-                       clock) -> tuple[list[BudgetRow], BudgetFit]:
+                       clock, reader: str = "none") -> tuple[list[BudgetRow], BudgetFit]:
     """The paced cadence's reclaimer (`budgeted_config`) at each budget, one warmed run and one
     cycle per budget and repetition, the budgets' order reversed every other repetition so that
     a slow spell of the host does not land on one budget; every step that launched plans is a
@@ -501,7 +505,7 @@ def measure_budget_fit(num_requests: int, context_tokens: int, budgets: list[int
         steps = []
         for budget in budgets if repeat_idx % 2 == 0 else budgets[::-1]:
             run = warmed_run(num_requests, context_tokens, "paced", step_us, seed=repeat_idx, clock=clock,
-                             config=budgeted_config(budget))
+                             config=budgeted_config(budget), reader=reader)
             run.round_steps.clear()
             time_cycle(run)
             by_budget[budget] += run.round_steps
@@ -752,6 +756,11 @@ def parse_args() -> argparse.Namespace:
                         help="when a step's launched plans land: same-step (synchronous copies, the sim's and the CPU "
                              "executors'), or next-step (asynchronous copies on a GPU: landed at the next step, before "
                              "its evictions, as the runtime polls them before the forward)")
+    parser.add_argument("--reader", choices=READERS, default="none",
+                        help="who reads every table's slot list after each step: none (the default: the sim's and the "
+                             "vLLM executor's engines, whose step the modelled one is, never read it), or slots (the hf "
+                             "executor's attention reads every request's, so each eviction also records its entry's "
+                             "removal; the slots column is that reader's time)")
     parser.add_argument("--replays", type=int, default=1, metavar="N",
                         help="run each repetition's cycle N times from its seed (the same work at every step) and report "
                              "its worst step replayed: each step's median over the N, the most of them (round cadences)")
@@ -806,11 +815,12 @@ def main() -> None:
         growth.append(measure_growth(num_requests, context_tokens, num_growth_steps, num_repeats, clock))
         paths.append(measure_evict_paths(num_requests, context_tokens, num_growth_steps, clock))
         evicts += [measure_evict(num_requests, context_tokens, num_window_steps, cadence, num_repeats, clock, args.replan_first,
-                                 args.landing, 1 if args.quick else args.replays, args.warm_round_code, args.sweep_mb)
+                                 args.landing, 1 if args.quick else args.replays, args.warm_round_code, args.sweep_mb,
+                                 args.reader)
                    for cadence in args.cadences]
         if args.fit_budgets:
             try:
-                rows, fit = measure_budget_fit(num_requests, context_tokens, args.fit_budgets, num_repeats, clock)
+                rows, fit = measure_budget_fit(num_requests, context_tokens, args.fit_budgets, num_repeats, clock, args.reader)
             except ValueError as error:
                 print(f"bench_substrate: --fit-budgets at {size_name(num_requests, context_tokens)}: {error}", file=sys.stderr)
                 raise SystemExit(1) from None
@@ -822,6 +832,8 @@ def main() -> None:
     print(format_growth(growth))
     print("\none eviction per request per step (us per step, all requests; step ms: the modelled decode step; plans land "
           + ("at the step that launched them" if args.landing == "same-step" else "at the next step, before its evictions")
+          + ("; slots: every request's slots() after the step, as the hf executor's attention reads them (--reader slots)"
+             if args.reader == "slots" else "; nothing reads the slot lists (--reader none, as the sim's and vLLM's engines)")
           + (f"; --warm-round-code {args.warm_round_code}: the round's code run on a pool of its own after every step "
              "outside a round, untimed, a diagnostic" if args.warm_round_code else "")
           + (f"; --sweep-mb {args.sweep_mb}: a buffer of its own written after every step, untimed, a diagnostic"
@@ -859,7 +871,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"clock": clock.__name__, "block_size": BLOCK_SIZE, "num_sink_tokens": NUM_SINK_TOKENS,
-                       "warm_round_code": args.warm_round_code, "sweep_mb": args.sweep_mb,
+                       "warm_round_code": args.warm_round_code, "sweep_mb": args.sweep_mb, "reader": args.reader,
                        "num_recent_tokens": NUM_RECENT_TOKENS, "repeats": num_repeats,
                        "growth": [dict(asdict(r), ratio=r.ratio) for r in growth],
                        "evict": [dict(asdict(r), bookkeeping_us=r.bookkeeping_us, step_share=r.step_share,

@@ -44,6 +44,11 @@ NUM_SINK_TOKENS = 4
 NUM_RECENT_TOKENS = 256
 CADENCES = ("default", "whole-round", "paced", "every-step")
 LANDINGS = ("same-step", "next-step")  # when launched plans land: synchronous copies, or asynchronous (a GPU's)
+# who reads every table's slot list after a step: nothing (the sim's and the vLLM executor's
+# engines: attention reads the block table, Runtime and vllm/ never call `slots()`), or the hf
+# executor's attention, which reads `slots()` of every request at every step (engine/hf.py)
+# and so keeps each list up to date, which every eviction then records (`remove_later`)
+READERS = ("none", "slots")
 ROUND_CADENCES = ("default", "whole-round", "paced")  # a round starts at a check and ends when it is done
 # The paced cadence's step moves at most about this share of the modelled decode step's worth
 # of tokens, at HOST_US_PER_MOVE each (a moved token's host cost in plans of a few hundred
@@ -228,9 +233,11 @@ class EvictingRun:
 
     def __init__(self, num_requests: int, context_tokens: int, num_steps: int, config: ReclaimConfig,
                  pattern: str = "random", every_step: bool = False, seed: int = 0, clock=time.process_time,
-                 landing: str = "same-step") -> None:
+                 landing: str = "same-step", reader: str = "none") -> None:
         if landing not in LANDINGS:
             raise ValueError(f"unknown landing '{landing}'; choose one of: {', '.join(LANDINGS)}")
+        if reader not in READERS:
+            raise ValueError(f"unknown reader '{reader}'; choose one of: {', '.join(READERS)}")
         self.pool = BlockPool(num_pool_blocks(num_requests, context_tokens, num_steps) + 64 * num_requests, BLOCK_SIZE)
         self.tables = make_tables(self.pool, num_requests, context_tokens)
         self.reclaimer = Reclaimer(config, self.pool)
@@ -259,6 +266,7 @@ class EvictingRun:
         # next step, before its evictions, as the runtime lands asynchronous copies (CUDA): it
         # polls them before the next forward (Runtime.execute)
         self.landing = landing
+        self.reader = reader  # READERS: "slots" reads every table's slot list after each step (its seconds: `step`'s fourth)
         self.checked_at: dict[int, int] = {}  # a launched plan's table version at its check, by req_id
         # a diagnostic: after every step outside a round, untimed, the round's code run on a
         # small pool of its own, so that a round's first launching step meets it warm and only
@@ -356,7 +364,8 @@ class EvictingRun:
         return self.clock() - started
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:
-        """One decode step; returns seconds spent in growth, evict, reclaim and slots. With
+        """One decode step; returns seconds spent in growth, evict, reclaim and slots (the slots
+        reader's; 0 without one). With
         next-step landing the plans in flight land first (in reclaim's seconds), as the runtime
         lands them before the forward; such a step counts as a round step."""
         pool, clock = self.pool, self.clock
@@ -376,10 +385,13 @@ class EvictingRun:
             self.reclaim(evicted - landed, landed - grown)
         self.is_round_step |= has_landing
         reclaimed = clock()
-        for table in self.tables:
-            table.slots()
+        slots_s = 0.0
+        if self.reader == "slots":
+            for table in self.tables:
+                table.slots()
+            slots_s = clock() - reclaimed
         self.step_idx += 1
-        parts = grown - started, evicted - landed, reclaimed - evicted + landed - grown, clock() - reclaimed
+        parts = grown - started, evicted - landed, reclaimed - evicted + landed - grown, slots_s
         if self.warm_round_code and not self.reclaimer.is_round_in_progress and not self.has_in_flight:
             self._warm_round_code()
         if self.sweep_bytes:
@@ -411,7 +423,7 @@ class EvictingRun:
         """`num_steps` steps' growth and evictions at once, untimed and without the reclaimer:
         every request grows by `num_steps` tokens and loses as many random live tokens of its
         middle, in one call each (the caller keeps F below theta_F, where no round would run).
-        The slot lists are rebuilt after, as a step leaves them."""
+        With the slots reader the slot lists are rebuilt after, as a step leaves them."""
         pool = self.pool
         for table in self.tables:
             table.sync_new_tokens(pool.allocate(table.num_new_blocks_needed(num_steps)), table.num_tokens + num_steps)
@@ -421,7 +433,8 @@ class EvictingRun:
             table.release_blocks(emptied)
             pool.free(emptied)
             self.num_blocks_freed_by_eviction += emptied.size
-            table.slots()
+            if self.reader == "slots":
+                table.slots()
         self.step_idx += num_steps
 
     def run_until_a_round(self, max_steps: int) -> np.ndarray:

@@ -57,6 +57,7 @@ def test_the_substrate_bench_runs_at_a_tiny_size(tmp_path: Path) -> None:
     assert rows["paced"]["max_moves_per_step"] == rows["paced"]["paced_moves_per_step"]
     assert all(row["num_blocks_freed"] > 0 for row in result["moves"] if row["mode"] == "hole-fill")
     assert "find + shift alone us/step" in completed.stdout
+    assert result["reader"] == "none" and all(row["reader"] == "none" and row["slots_us"] == 0 for row in rows.values())
     assert [(row["num_requests"], row["context_tokens"]) for row in result["evict_paths"]] == [(4, 1024)]
     assert all(row["find_shift_us"] > 0 for row in result["evict_paths"])
     # the budget fit: a row per budget of the steps that launched plans, and one line per size
@@ -311,6 +312,34 @@ def test_the_round_compiled_calls_are_made_again_whole_and_change_no_step_of_the
             assert run._sweep.size == sweep_bytes and (run._sweep == len(cycles[-1].kinds) % 256).all()
     for cycle in cycles[1:]:
         assert cycle.kinds == cycles[0].kinds and cycle.work == cycles[0].work
+
+
+def test_the_slots_reader_keeps_every_slot_list_and_changes_no_step_of_the_cycle() -> None:
+    """--reader slots reads every table's slot list after each step, as the hf executor's
+    attention does: the lists are then kept up to date (each equal to the live tokens' slots)
+    and their reading is the step's fourth part; without a reader no list is ever built and that
+    part is 0. The reader decides nothing of the substrate's: the same steps do the same work."""
+    bench = _bench_substrate()
+    cycles, runs = [], []
+    for reader in ("none", "slots"):
+        run = bench.warmed_run(8, 2048, "paced", 10_000.0, seed=1, clock=bench.time.process_time, reader=reader)
+        run.round_steps.clear()
+        cycles.append(bench.time_cycle(run))
+        runs.append(run)
+    assert cycles[0].kinds == cycles[1].kinds and cycles[0].work == cycles[1].work
+    none, slots = runs
+    assert not any(table._cache.is_valid for table in none.tables)
+    assert (cycles[0].ordinary[:, 3] == 0).all() and (cycles[0].in_round[:, 3] == 0).all()
+    assert all(table._cache.is_valid for table in slots.tables)
+    assert cycles[1].ordinary[:, 3].sum() > 0
+    for table in slots.tables:
+        np.testing.assert_array_equal(table.slots(), table.token_slots[table.live_mask])
+
+
+def test_an_unknown_reader_is_refused() -> None:
+    bench = _bench_substrate()
+    with pytest.raises(ValueError, match="unknown reader 'attention'"):
+        bench.warmed_run(4, 1024, "paced", 10_000.0, seed=1, clock=bench.time.process_time, reader="attention")
 
 
 def test_an_unknown_warming_is_refused() -> None:
