@@ -140,3 +140,40 @@ def test_golden_results_for_the_azure_sample():
 
 if __name__ == "__main__":
     GOLDEN.write_text(json.dumps(golden_figures(), indent=2, sort_keys=True) + "\n")
+
+
+def test_a_replay_runs_with_the_heap_it_found_frozen_and_unfreezes_it_after():
+    """What the collector tracks when a replay starts is frozen for its steps (a collection scans
+    only what the replay made, as vLLM's engine core freezes its heap), and unfrozen after it,
+    even when the replay fails; a heap the caller froze stays frozen, as it was."""
+    import gc
+
+    requests = make_requests(12)
+    counts_in_steps: list[int] = []
+
+    def run(progress=lambda n: counts_in_steps.append(gc.get_freeze_count())):
+        experiment = make_config("vtoken").experiment
+        runtime = Runtime(make_config("vtoken"), requests, SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed))
+        return runtime.run(progress)
+
+    assert gc.get_freeze_count() == 0
+    frozen_result = run()
+    assert counts_in_steps and min(counts_in_steps) > 0  # the objects made before it: the requests among them
+    assert gc.get_freeze_count() == 0
+
+    def failing(num_tokens):
+        raise RuntimeError("a step failed")
+
+    with pytest.raises(RuntimeError, match="a step failed"):
+        run(failing)
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()
+    try:
+        frozen_before = gc.get_freeze_count()
+        counts_in_steps.clear()
+        # the collector decides nothing a replay computes: the same result, host time aside
+        assert replace(run(), host_time_s=0.0) == replace(frozen_result, host_time_s=0.0)
+        assert gc.get_freeze_count() > frozen_before // 2 and counts_in_steps  # still frozen (a frozen object freed leaves it)
+    finally:
+        gc.unfreeze()
