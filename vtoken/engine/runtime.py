@@ -16,10 +16,8 @@ happens to memory afterwards differs:
 
 from __future__ import annotations
 
-import gc
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,26 +39,6 @@ from vtoken.policies import make_policy
 from vtoken.trace import Request
 
 PlannerFactory = Callable[[ReclaimConfig, BlockPool], Reclaimer]
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Every object the garbage collector tracks when a replay starts (the trace's requests, the
-    modules, the policy's and the cost model's tables) left out of its collections until the
-    replay ends, as vLLM's engine core freezes its heap once it has started
-    (vllm/v1/engine/core.py calls vllm/utils/gc_utils.py `freeze_gc_heap`): a full collection
-    during the steps then scans only what the replay made, instead of the whole process (in the
-    Azure conversation trace's replay, a full collection inside a step took some ten times the
-    step's modelled duration). Unfrozen after, so that what the replay left becomes collectable
-    again; a heap someone else froze is left as it is."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class Runtime:
@@ -123,13 +101,12 @@ class Runtime:
         started = time.perf_counter()
         num_total = self.num_output_tokens
         num_reported = 0
-        with frozen_heap():
-            while self.has_work():
-                self.step()
-                num_now = min(self.num_generated_tokens, num_total)
-                if on_progress is not None and num_now > num_reported:
-                    on_progress(num_now - num_reported)
-                    num_reported = num_now
+        while self.has_work():
+            self.step()
+            num_now = min(self.num_generated_tokens, num_total)
+            if on_progress is not None and num_now > num_reported:
+                on_progress(num_now - num_reported)
+                num_reported = num_now
         if on_progress is not None and num_reported < num_total:
             on_progress(num_total - num_reported)
         return self.finish(time.perf_counter() - started)
