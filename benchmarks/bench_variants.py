@@ -48,7 +48,9 @@ What bench_substrate.py's goal measures on its synthetic batch (evict + reclaim 
 modelled step), here in the engine's own loop, where the step's other work (the schedule, the
 policy's decisions, the sim's cost model) runs between two rounds. Per variant: the steps with
 such work, its mean (total host time over total modelled time), the distribution of its share
-of each step, and the worst step: what ran in it.
+of each step, and the worst step: what ran in it; then every garbage collection of the replay,
+inside that work or not (by generation, and the full ones' CPU time), and the objects the
+collector tracked at its start and after its last step.
 """
 
 from __future__ import annotations
@@ -253,26 +255,47 @@ class StepCost(NamedTuple):
         return self.host_s / self.modelled_s
 
 
+class ReplayCosts(NamedTuple):
+    """A replay under `step_costs`: its steps with KV-memory work (`rows`, StepCost's fields as
+    plain tuples, which the collector stops tracking once it has seen them: hundreds of thousands
+    of StepCost objects held while the next variant replays would be scanned by its every full
+    collection), every garbage collection that ran during it, inside that work or not
+    ((generation, CPU seconds) each), and the objects the collector tracked when it started and
+    when its last step was done (gc.get_objects)."""
+
+    rows: list[tuple]
+    collections: list[tuple[int, float]]
+    num_tracked_at_start: int
+    num_tracked_at_end: int
+
+    @property
+    def steps(self) -> list[StepCost]:
+        return [StepCost._make(row) for row in self.rows]
+
+
 # what --step-costs times: (owner, name), each call timed once where they nest
 MEMORY_WORK = ((Runtime, "_apply_eviction"), (Runtime, "_reclaim"), (Runtime, "_complete"))
 
 
-def step_costs(replay) -> list[StepCost]:
+def step_costs(replay) -> ReplayCosts:
     """Every step of `replay()` that did KV-memory work (MEMORY_WORK) and ran a forward, with
-    that work's CPU seconds (the functions wrapped, then restored)."""
-    costs: list[StepCost] = []
+    that work's CPU seconds (the functions wrapped, then restored), and the replay's collections."""
+    rows: list[tuple] = []
+    collected: list[tuple[int, float]] = []  # every collection: (generation, CPU seconds)
+    num_tracked = [len(gc.get_objects()), 0]
     # the step being timed, and whether the lazy round in progress has launched plans (across steps:
     # cleared after any step that leaves no round in progress)
     current = {"host_s": 0.0, "depth": 0, "evictions": 0, "modelled_s": None, "requests": 0, "gc_s": 0.0, "gc_started": 0.0,
                "launched_in_round": False}
 
     def on_collection(phase: str, info: dict) -> None:
-        if not current["depth"]:
-            return
         if phase == "start":
             current["gc_started"] = time.process_time()
-        else:
-            current["gc_s"] += time.process_time() - current["gc_started"]
+            return
+        seconds = time.process_time() - current["gc_started"]
+        collected.append((info["generation"], seconds))
+        if current["depth"]:
+            current["gc_s"] += seconds
 
     def timed(name: str, function):
         def call(runtime, *args, **kwargs):
@@ -305,23 +328,27 @@ def step_costs(replay) -> list[StepCost]:
         if runtime.reclaimer is None or not runtime.reclaimer.is_round_in_progress:  # the next plans launched start a round
             current["launched_in_round"] = False
         if current["host_s"] and current["modelled_s"]:
-            costs.append(StepCost(current["host_s"], current["modelled_s"], current["requests"], current["evictions"],
-                                  tuple(t for t in work if work[t].num_rounds > rounds_before.get(t, 0)),
-                                  sum(work[t].num_tokens_moved - moved_before.get(t, 0) for t in work), current["gc_s"],
-                                  round_step))
+            rows.append((current["host_s"], current["modelled_s"], current["requests"], current["evictions"],
+                         tuple(t for t in work if work[t].num_rounds > rounds_before.get(t, 0)),
+                         sum(work[t].num_tokens_moved - moved_before.get(t, 0) for t in work), current["gc_s"], round_step))
 
-    own_step, own_execute = Runtime.step, Runtime.execute
+    def finish(runtime, host_time_s):  # after the last step, the runtime and what it holds still alive
+        num_tracked[1] = len(gc.get_objects())
+        return own_finish(runtime, host_time_s)
+
+    own_step, own_execute, own_finish = Runtime.step, Runtime.execute, Runtime.finish
     replacements = [(owner, name, timed(name, getattr(owner, name))) for owner, name in MEMORY_WORK]
     gc.callbacks.append(on_collection)
     try:
-        with patched([*replacements, (Runtime, "step", step), (Runtime, "execute", execute)]):
+        with patched([*replacements, (Runtime, "step", step), (Runtime, "execute", execute), (Runtime, "finish", finish)]):
             replay()
     finally:
         gc.callbacks.remove(on_collection)
-    return costs
+    return ReplayCosts(rows, collected, *num_tracked)
 
 
-def print_step_costs(costs: dict[str, list[StepCost]]) -> None:
+def print_step_costs(replays: dict[str, ReplayCosts]) -> None:
+    costs = {variant: replay.steps for variant, replay in replays.items()}
     print("\neach step's KV-memory work (the eviction's memory side, the reclamation) against the step's modelled "
           "duration, CPU time; its share of a step: its host time / the step's modelled time; gc: the steps in "
           "whose work a garbage collection ran")
@@ -352,6 +379,13 @@ def print_step_costs(costs: dict[str, list[StepCost]]) -> None:
                 f"{kind} {len(of_kind)}: {1e6 * statistics.median(s.host_s for s in of_kind):.0f} us, "
                 f"{statistics.median(s.num_tokens_moved for s in of_kind):.0f} moves, "
                 f"{100 * statistics.median(s.share for s in of_kind):.2f}% of the step" for kind, of_kind in kinds.items()))
+    for variant, replay in replays.items():
+        by_generation = collections.Counter(generation for generation, _ in replay.collections)
+        full_ms = sorted(1e3 * seconds for generation, seconds in replay.collections if generation == 2)
+        print(f"{variant}'s replay: {len(replay.collections)} garbage collections (generation 0, 1, 2: "
+              f"{by_generation[0]}, {by_generation[1]}, {by_generation[2]})"
+              + (f", the full ones {full_ms[0]:.0f}-{full_ms[-1]:.0f} ms of CPU each" if full_ms else "")
+              + f"; objects tracked: {replay.num_tracked_at_start:,} at its start, {replay.num_tracked_at_end:,} after its last step")
 
 
 def timed_phases(replay) -> tuple[collections.Counter, collections.Counter]:

@@ -8,6 +8,7 @@ checked."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import subprocess
@@ -92,7 +93,7 @@ def test_step_costs_times_each_steps_memory_work_and_restores_the_runtime() -> N
     experiment, requests = replayed(str(ROOT / "sample_traces" / "azure_conv_sample.csv"), 80)
     experiment = dataclasses.replace(experiment, num_blocks=experiment.num_blocks // 40,  # pressure packing too
                                      reclaim=dataclasses.replace(experiment.reclaim, max_moves_per_step=64))  # rounds over several steps
-    own = Runtime.step, Runtime.execute, Runtime._reclaim, Runtime._apply_eviction, Runtime._complete
+    own = Runtime.step, Runtime.execute, Runtime._reclaim, Runtime._apply_eviction, Runtime._complete, Runtime.finish
     runtimes = {variant: sim_runtime(experiment.run(variant, None), requests) for variant in ("naive-evict", "vtoken")}
     slowed: list[int] = []  # the first few reclamations of vtoken take 20 ms of CPU more: their steps must show it
 
@@ -106,10 +107,17 @@ def test_step_costs_times_each_steps_memory_work_and_restores_the_runtime() -> N
 
     Runtime._reclaim = slow_reclaim
     try:
-        costs = {variant: step_costs(runtime.run) for variant, runtime in runtimes.items()}
+        replays = {variant: step_costs(runtime.run) for variant, runtime in runtimes.items()}
     finally:
         Runtime._reclaim = own[2]
-    assert (Runtime.step, Runtime.execute, Runtime._reclaim, Runtime._apply_eviction, Runtime._complete) == own
+    assert (Runtime.step, Runtime.execute, Runtime._reclaim, Runtime._apply_eviction, Runtime._complete, Runtime.finish) == own
+    costs = {variant: replay.steps for variant, replay in replays.items()}
+    for replay in replays.values():  # every collection of the replay, those inside the memory work among them
+        assert replay.collections and {generation for generation, _ in replay.collections} <= {0, 1, 2}
+        assert sum(step.gc_s for step in replay.steps) <= sum(seconds for _, seconds in replay.collections)
+        assert replay.num_tracked_at_start > 0 and replay.num_tracked_at_end > 0
+    gc.collect()  # the rows held between replays are not the collector's to scan
+    assert not any(gc.is_tracked(row) for replay in replays.values() for row in replay.rows)
     assert len(slowed) == 3 and sum(step.host_s >= 0.02 for step in costs["vtoken"]) >= len(set(slowed))
     for variant, steps in costs.items():
         runtime = runtimes[variant]
