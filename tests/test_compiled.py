@@ -75,8 +75,9 @@ def test_hole_fill_plans_are_the_rules_plans(blocks_of, seed, max_src_blocks, da
         block_ids, sizes, np.ones(live_counts.size, np.int32), live_counts, S)
     assert ids.tolist() == block_ids.tolist() and counts.tolist() == live_counts[block_ids].tolist()
     order = np.array(data.draw(st.permutations(range(len(blocks_of)))), dtype=np.int64)
-    plan_rows, move_rows, source_rows = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S,
-                                                        max_src_blocks)
+    plan_rows, move_rows, source_rows, deferred = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order,
+                                                                  token_at, S, max_src_blocks, -1)
+    assert deferred.size == 0  # no budget: every plan
     plan_requests, move_ends, source_ends = plan_rows
     tokens, src_b, src_o, dst_b, dst_o, move_of = move_rows
     sources, source_of = source_rows
@@ -104,11 +105,41 @@ def test_hole_fill_plans_are_the_rules_plans(blocks_of, seed, max_src_blocks, da
     assert first_move == tokens.size == move_of.size and first_src == sources.size == source_of.size
 
 
+@settings(max_examples=300, deadline=None)
+@given(blocks_of=requests, seed=st.integers(0, 2**16), max_src_blocks=st.integers(2, 6), max_moves=st.integers(0, 24),
+       data=st.data())
+def test_a_budget_makes_the_first_plans_and_leaves_the_others_unplanned(blocks_of, seed, max_src_blocks, max_moves,
+                                                                        data) -> None:
+    """With a budget, the plans are the first of the unbudgeted call's, in order, while their
+    moves fit in it (the first one whatever it moves), and the requests of the others come back
+    unplanned, in order: the reclaimer's cut (reclaim.within_budget), made before any plan past
+    it is made."""
+    block_ids, token_at, live_counts, bounds = layout(blocks_of, seed)
+    ids, counts, starts, ends, _, num_reclaimable = movable_blocks(
+        block_ids, bounds[:, 1] - bounds[:, 0], np.ones(live_counts.size, np.int32), live_counts, S)
+    order = np.array(data.draw(st.permutations(range(len(blocks_of)))), dtype=np.int64)
+    every = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S, max_src_blocks, -1)
+    plan_rows, move_rows, source_rows, deferred = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order,
+                                                                  token_at, S, max_src_blocks, max_moves)
+    requests, move_ends = every[0][0].tolist(), every[0][1].tolist()
+    num_kept, moved = 0, 0
+    for move_end in move_ends:  # the cut, on the whole call's plans
+        if num_kept and move_end > max_moves:
+            break
+        num_kept, moved = num_kept + 1, move_end
+    assert plan_rows.tolist() == every[0][:, :num_kept].tolist()
+    assert move_rows.tolist() == every[1][:, :moved].tolist()
+    assert source_rows.tolist() == every[2][:, : (every[0][2][num_kept - 1] if num_kept else 0)].tolist()
+    assert deferred.tolist() == requests[num_kept:]
+    if requests:
+        assert num_kept >= 1 and (num_kept == 1 or moved <= max_moves)
+
+
 @settings(max_examples=200, deadline=None)
 @given(blocks_of=requests, seed=st.integers(0, 2**16), max_src_blocks=st.integers(2, 6), shared=st.sets(st.integers(0, 39)),
-       data=st.data())
+       max_moves=st.integers(-1, 24), data=st.data())
 def test_hole_fill_round_is_movable_blocks_then_the_plans_most_reclaimable_first(blocks_of, seed, max_src_blocks, shared,
-                                                                                  data) -> None:
+                                                                                  max_moves, data) -> None:
     """The round's one call: the rows hole_fill_plans gives over movable_blocks' blocks in the
     order most reclaimable first, ties by req_id (req ids drawn apart from the requests' order,
     some blocks shared)."""
@@ -120,8 +151,8 @@ def test_hole_fill_round_is_movable_blocks_then_the_plans_most_reclaimable_first
                        dtype=np.int64)
     ids, counts, starts, ends, _, num_reclaimable = movable_blocks(block_ids, sizes, ref_counts, live_counts, S)
     order = np.array(sorted(range(len(blocks_of)), key=lambda k: (-num_reclaimable[k], req_ids[k])), dtype=np.int64)
-    want = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S, max_src_blocks)
-    got = hole_fill_round(block_ids, sizes, req_ids, ref_counts, live_counts, token_at, S, max_src_blocks)
+    want = hole_fill_plans(ids, counts, starts, ends, num_reclaimable, order, token_at, S, max_src_blocks, max_moves)
+    got = hole_fill_round(block_ids, sizes, req_ids, ref_counts, live_counts, token_at, S, max_src_blocks, max_moves)
     for got_rows, want_rows in zip(got, want, strict=True):
         assert got_rows.tolist() == want_rows.tolist()
 

@@ -16,7 +16,7 @@ from vtoken.invariants import check_plan, check_round, check_unique_mapping, pla
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.planning import movable_block_ids, num_reclaimable_blocks, plan_hole_fill, plan_ordered
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, most_reclaimable_first
+from vtoken.kv.reclaim import ROUND_PLANNING_SLACK, ReclaimConfig, Reclaimer, most_reclaimable_first, within_budget
 from vtoken.kv.token_table import TokenTable
 
 S = 4
@@ -475,6 +475,54 @@ def test_a_hole_fill_round_plans_every_request_as_the_plain_rule_does_most_recla
         for plan in plans:
             assert plan.layout_version == tables[plan.req_id].layout_version
             check_plan(plan, tables[plan.req_id], pool, frozenset())
+
+
+def plan_every_chosen_then_cut(reclaimer: Reclaimer, tables: list[TokenTable], busy: frozenset[int]) -> list[RelocationPlan]:
+    """A lazy round step as a budgeted hole-fill step made it before its planning call took the
+    budget: every chosen request planned, then the plans cut (`within_budget`) and the requests
+    of those past the cut put back first."""
+    budget = reclaimer.config.max_moves_per_step
+    if not reclaimer._round_req_ids:
+        reclaimer._round_req_ids = reclaimer._round_order(tables, busy)
+    chosen = reclaimer._next_of_round(tables, busy, ROUND_PLANNING_SLACK * budget)
+    plans, waiting = within_budget(reclaimer._plans(chosen, busy, None)[0], budget)
+    reclaimer._round_req_ids.extend(reversed(waiting))
+    return plans
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=st.lists(layouts(), min_size=1, max_size=8), busy=st.sets(st.integers(0, 7), max_size=2),
+       max_src_blocks=st.integers(2, 6), budget=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_a_budgeted_hole_fill_step_launches_what_planning_every_chosen_request_and_cutting_launched(
+        requests, busy, max_src_blocks, budget, seed) -> None:
+    """The budget applied inside the planning call leaves every step of a round as it was when
+    the step planned every request it chose and launched the first plans within the budget: the
+    same plans, the same requests left for the next steps, over a round whose plans land and
+    whose requests lose tokens between its steps (two copies of one state, one per way)."""
+    config = ReclaimConfig(mode="hole-fill", max_src_blocks=max_src_blocks, max_moves_per_step=budget)
+    runs = []
+    for _ in range(2):
+        pool = BlockPool(256, S)
+        tables = [make_layout(*blocks, tail=tail, pool=pool, req_id=req_id) for req_id, (blocks, tail, _, _) in enumerate(requests)]
+        runs.append((Reclaimer(config, pool), tables, np.random.default_rng(seed)))
+    steps: list[list[list]] = [[], []]
+    for way, (reclaimer, tables, rng) in enumerate(runs):
+        plan = reclaimer.plan if way == 0 else lambda ts, b, r=reclaimer: plan_every_chosen_then_cut(r, ts, b)
+        for _ in range(64):
+            plans = plan(tables, frozenset(busy))
+            steps[way].append([(p.req_id, p.src_block_ids.tolist(), moves_of(p)) for p in plans])
+            for p in plans:
+                apply(p, tables[p.req_id])
+            for table in tables:  # a token of the middle dies now and then, as a policy evicts
+                live = table.live_token_ids(0, max(table.num_tokens - S, 0))
+                if live.size and rng.random() < 0.5:
+                    emptied = table.evict_tokens(live[rng.integers(live.size)].reshape(1))
+                    table.release_blocks(emptied)
+                    table.pool.free(emptied)
+            if not reclaimer.is_round_in_progress:
+                break
+        steps[way].append(list(reclaimer._round_req_ids))
+    assert steps[0] == steps[1]
 
 
 CORRUPTIONS = ("token", "src-offset", "dst-offset", "dst-block", "drop-move", "add-source", "version", "repeat-request")

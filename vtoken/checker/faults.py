@@ -325,13 +325,13 @@ class _SharedBlockReclaimer(Reclaimer):
         super().__init__(config, pool)
         self._fault = fault
 
-    def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
-               num_blocks_wanted: int | None) -> list[RelocationPlan]:
+    def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int], num_blocks_wanted: int | None,
+               max_moves: int | None = None) -> tuple[list[RelocationPlan], list[int]]:
         # every planning entry point (lazy rounds, packing under pressure, the layout re-pack) plans here
         tables = list(tables)
         by_id = {t.req_id: t for t in tables}
-        return [self._with_shared_block(plan, by_id[plan.req_id])
-                for plan in super()._plans(tables, busy_req_ids, num_blocks_wanted)]
+        plans, waiting_req_ids = super()._plans(tables, busy_req_ids, num_blocks_wanted, max_moves)
+        return [self._with_shared_block(plan, by_id[plan.req_id]) for plan in plans], waiting_req_ids
 
     def _with_shared_block(self, plan: RelocationPlan, table: TokenTable) -> RelocationPlan:
         if table.num_pinned_blocks:

@@ -35,7 +35,8 @@ from vtoken.kv.compiled_evict import are_distinct_tables as _are_distinct_tables
 
 
 @njit
-def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order, token_at, block_size, max_src_blocks):
+def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order, token_at, block_size, max_src_blocks,
+                    max_moves):
     """The hole-fill plans of the requests whose movable blocks are block_ids[starts[k]:ends[k]]
     (planning.plan_hole_fill_each: the sources are the longest run of blocks from the end
     whose live tokens fit in the holes before them, at most min(max_src_blocks, n - 1); their
@@ -47,7 +48,14 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order
     and its sources end (cumulative counts); [6, moves], the moves end to end (token ids,
     source block and offset, destination block and offset) and each one's plan's place (0 for
     the first plan); [2, sources], the sources, ascending within a plan, and each one's plan's
-    place.
+    place; and the requests a budget left unplanned, in `order`.
+
+    `max_moves` >= 0, a lazy round step's budget (Reclaimer.plan): the plans in `order` while
+    their moves add up to at most that, the first one whatever it moves; from the first that
+    does not fit on, the requests with a plan are left unplanned and returned instead, for a
+    later step to plan against its layout then. Each request's moves are counted from the live
+    counts alone, before any row of the reverse map is read, so a plan the step would not launch
+    costs no more than that count. < 0: every plan.
     """
     num_requests = starts.size
     num_src = np.zeros(num_requests, np.int64)
@@ -69,6 +77,20 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order
                 break
             num_src[k] = n - i
             num_moves[k] = live_from
+    deferred = np.empty(num_requests, np.int64)
+    num_deferred = 0
+    if max_moves >= 0:
+        num_planned, num_moved = 0, 0
+        for k in order:
+            if num_src[k] == 0:
+                continue
+            if num_deferred or (num_planned and num_moved + num_moves[k] > max_moves):
+                deferred[num_deferred] = k
+                num_deferred += 1
+                num_src[k], num_moves[k] = 0, 0
+            else:
+                num_planned += 1
+                num_moved += num_moves[k]
     total_moves, total_src = num_moves.sum(), num_src.sum()
     move_rows = np.empty((6, total_moves), np.int64)
     token_ids, src_blocks, src_offsets, dst_blocks, dst_offsets, move_of = (
@@ -125,22 +147,23 @@ def hole_fill_plans(block_ids, live_counts, starts, ends, num_reclaimable, order
         if last != stop:
             raise ValueError("the kept blocks hold fewer holes than the pool counts")
         first_move, first_src = stop, first_src + m
-    return plan_rows, move_rows, source_rows
+    return plan_rows, move_rows, source_rows, deferred[:num_deferred]
 
 
 @njit
-def hole_fill_round(held, sizes, req_ids, ref_counts, live_counts, token_at, block_size, max_src_blocks):
+def hole_fill_round(held, sizes, req_ids, ref_counts, live_counts, token_at, block_size, max_src_blocks, max_moves):
     """A lazy round's hole-fill plans in one call (Reclaimer's hole-fill round): the movable
     blocks of requests whose candidate blocks are held[...] end to end, sizes[k] of request k
     (movable_blocks), the requests ordered most reclaimable blocks first, ties by req_id, and
-    their plans in that order (hole_fill_plans, whose rows it returns)."""
+    their plans in that order within `max_moves` (hole_fill_plans, whose rows it returns)."""
     block_ids, counts, starts, ends, _, num_reclaimable = movable_blocks(held, sizes, ref_counts, live_counts, block_size)
     if _in_round_order(req_ids, num_reclaimable):  # as the reclaimer often hands them (a paced step: one)
         order = np.arange(req_ids.size)
     else:
         by_req_id = np.argsort(req_ids, kind="mergesort")
         order = by_req_id[np.argsort(-num_reclaimable[by_req_id], kind="mergesort")]  # stable: ties keep req_id order
-    return hole_fill_plans(block_ids, counts, starts, ends, num_reclaimable, order, token_at, block_size, max_src_blocks)
+    return hole_fill_plans(block_ids, counts, starts, ends, num_reclaimable, order, token_at, block_size, max_src_blocks,
+                           max_moves)
 
 
 @njit

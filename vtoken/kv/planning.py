@@ -89,27 +89,34 @@ def plan_hole_fill_each(movables: Movables, max_src_blocks: int,
     tables = movables.tables
     if order is None:
         order = np.arange(len(tables))
-    rows = compiled_loops().hole_fill_plans(movables.block_ids, movables.live_counts, movables.starts, movables.ends,
-                                            movables.num_reclaimable, order, tables[0].pool.token_at,
-                                            tables[0].block_size, max_src_blocks)
+    *rows, _ = compiled_loops().hole_fill_plans(movables.block_ids, movables.live_counts, movables.starts, movables.ends,
+                                                movables.num_reclaimable, order, tables[0].pool.token_at,
+                                                tables[0].block_size, max_src_blocks, -1)
     plans: list[RelocationPlan | None] = [None] * len(tables)
     for k, plan in zip(rows[0][0].tolist(), _batch_of(tables, *rows)):
         plans[k] = plan
     return plans
 
 
-def plan_hole_fill_round(tables: list[TokenTable], max_src_blocks: int) -> list[RelocationPlan]:
+def plan_hole_fill_round(tables: list[TokenTable], max_src_blocks: int,
+                         max_moves: int | None = None) -> tuple[list[RelocationPlan], list[TokenTable]]:
     """The hole-fill plans of `tables` (requests with a reclaimable block by the bound), most
     reclaimable blocks first, ties by req_id: what `plan_hole_fill_each` gives over
     `Movables.of(tables)` in that order, with the requests that have none left out, in one
     compiled call that finds the movable blocks, orders the requests and plans them
-    (compiled.hole_fill_round): a lazy round step's planning."""
+    (compiled.hole_fill_round): a lazy round step's planning.
+
+    With `max_moves`, a step's budget, only the first plans in that order while their moves add
+    up to at most that (the first one whatever it moves), and, in the same order, the tables of
+    the requests with a plan past them, left unplanned: the budget is applied to each request's
+    move count before its plan is made, so a step makes only the plans it launches. Returns the
+    plans and those tables (none without a budget)."""
     pool = tables[0].pool
     held, sizes = TokenTable.candidate_blocks_each(tables)
     req_ids = np.fromiter([table.req_id for table in tables], np.int64, len(tables))
-    rows = compiled_loops().hole_fill_round(held, sizes, req_ids, pool.ref_counts, pool.live_counts, pool.token_at,
-                                            pool.block_size, max_src_blocks)
-    return _batch_of(tables, *rows)
+    *rows, deferred = compiled_loops().hole_fill_round(held, sizes, req_ids, pool.ref_counts, pool.live_counts, pool.token_at,
+                                                       pool.block_size, max_src_blocks, -1 if max_moves is None else max_moves)
+    return _batch_of(tables, *rows), [tables[k] for k in deferred.tolist()]
 
 
 def _batch_of(tables: list[TokenTable], plan_rows: np.ndarray, move_rows: np.ndarray,

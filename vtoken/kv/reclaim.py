@@ -132,7 +132,9 @@ class Reclaimer:
         their plans, most reclaimable first, while they move at most `max_moves_per_step`
         tokens (one plan at least); the requests whose plans it did not launch come first at
         the next step, and the others after them, each planned against its layout then (skipped
-        if it left, is busy or has nothing to give back). So a step moves at most
+        if it left, is busy or has nothing to give back). A hole-fill step counts each
+        request's moves from the live counts before it makes the plan, and makes only the plans
+        it launches (`within_budget`'s cut, in the planning call). So a step moves at most
         max(max_moves_per_step, B x S) tokens. Without a budget the whole round is planned and
         launched at once. Requests in `busy_req_ids` (a plan in flight) are skipped. Ordered
         plans stop when the free blocks run out.
@@ -140,18 +142,13 @@ class Reclaimer:
         tables = list(tables)
         budget = self.config.max_moves_per_step
         if budget is None:
-            return self._plans(tables, busy_req_ids, None)  # every planning entry point plans in _plans
+            return self._plans(tables, busy_req_ids, None)[0]  # every planning entry point plans in _plans
         if not self._round_req_ids:
             self._round_req_ids = self._round_order(tables, busy_req_ids)
-        plans = self._plans(self._next_of_round(tables, busy_req_ids, ROUND_PLANNING_SLACK * budget), busy_req_ids, None)
-        num_launched, num_moved = 0, 0
-        for plan in plans:
-            if num_launched and num_moved + plan.num_tokens_moved > budget:
-                break
-            num_launched += 1
-            num_moved += plan.num_tokens_moved
-        self._round_req_ids.extend(plan.req_id for plan in reversed(plans[num_launched:]))
-        return plans[:num_launched]
+        plans, waiting_req_ids = self._plans(self._next_of_round(tables, busy_req_ids, ROUND_PLANNING_SLACK * budget),
+                                             busy_req_ids, None, budget)
+        self._round_req_ids.extend(reversed(waiting_req_ids))
+        return plans
 
     def _round_order(self, tables: list[TokenTable], busy_req_ids: frozenset[int]) -> list[int]:
         """A new round's requests, the next one last: every one with a reclaimable block by the
@@ -187,19 +184,24 @@ class Reclaimer:
         """Stage 3 under pressure: as `plan`, but only until the plans free `num_blocks` blocks
         (fewer when the requests cannot give that many). A hole-fill plan takes no more source
         blocks than the shortfall left, so the copy work is bounded by what the pressure needs."""
-        return self._plans(tables, busy_req_ids, num_blocks)
+        return self._plans(tables, busy_req_ids, num_blocks)[0]
 
     def plan_repack(self, table: TokenTable, num_blocks: int) -> list[RelocationPlan]:
         """Stage 3 for one request that holds `num_blocks` more blocks than its uncompacted
         layout would (the runtime's layout trigger): plans over it alone, until they are freed."""
-        return self._plans([table], frozenset(), num_blocks)
+        return self._plans([table], frozenset(), num_blocks)[0]
 
-    def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
-               num_blocks_wanted: int | None) -> list[RelocationPlan]:
+    def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int], num_blocks_wanted: int | None,
+               max_moves: int | None = None) -> tuple[list[RelocationPlan], list[int]]:
         """Plans over `tables`, most reclaimable first, until `num_blocks_wanted` are freed
-        (None: every plan there is)."""
+        (None: every plan there is); with `max_moves` (a lazy round step's budget), the first of
+        them while they move at most that many tokens, the first one whatever it moves
+        (`within_budget`). Returns the plans, and the req_ids of the requests with a plan past
+        the budget, in order: a hole-fill round counts each request's moves before it plans it,
+        so it does not make those plans; ordered plans are made and dropped."""
         if self.config.mode == "hole-fill" and num_blocks_wanted is None:
-            return self._hole_fill_round(tables, busy_req_ids)
+            plans, waiting = self._hole_fill_round(tables, busy_req_ids, max_moves)
+            return plans, [table.req_id for table in waiting]
         plans: list[RelocationPlan] = []
         num_dst_used = 0
         num_freed = 0
@@ -217,22 +219,37 @@ class Reclaimer:
                 plans.append(plan)
                 num_dst_used += plan.dst_new_block_ids.size
                 num_freed += plan.num_blocks_freed
-        return plans
+        return within_budget(plans, max_moves) if max_moves is not None else (plans, [])
 
 
-    def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> list[RelocationPlan]:
+    def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
+                         max_moves: int | None) -> tuple[list[RelocationPlan], list[TokenTable]]:
         """Every hole-fill plan over `tables` at once (`plan_hole_fill_round`, one compiled call
-        for them all), most reclaimable first, ties by req_id. The order and the plans are
-        `most_reclaimable_first`'s and `plan_hole_fill`'s: hole-fill plans are independent of
-        each other, so planning them all in that order gives what planning them one by one
-        gives. Their arrays lie end to end in that order (moves.PlanBatch), so the first plans,
-        which a step launches, are checked and landed with no concatenation. Planning under
-        pressure, which stops after the first few, plans one request at a time instead:
-        planning every request to keep one costs more than it saves."""
+        for them all), most reclaimable first, ties by req_id, or with `max_moves` the first of
+        them within that many moves, and the tables of the others with a plan, in that order,
+        left unplanned. The order and the plans are `most_reclaimable_first`'s and
+        `plan_hole_fill`'s: hole-fill plans are independent of each other, so planning them all
+        in that order gives what planning them one by one gives. Their arrays lie end to end in
+        that order (moves.PlanBatch), so the plans a step launches are checked and landed with
+        no concatenation. Planning under pressure, which stops after the first few, plans one
+        request at a time instead: planning every request to keep one costs more than it saves."""
         candidates = [table for table in tables if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
         if not candidates:
-            return []
-        return plan_hole_fill_round(candidates, self.config.max_src_blocks)
+            return [], []
+        return plan_hole_fill_round(candidates, self.config.max_src_blocks, max_moves)
+
+
+def within_budget(plans: list[RelocationPlan], max_moves: int) -> tuple[list[RelocationPlan], list[int]]:
+    """The first `plans` while their moves add up to at most `max_moves` (the first one whatever
+    it moves), and the req_ids of the others, in order: the cut of a lazy round step's plans
+    (the hole-fill round makes it in its planning call, compiled.hole_fill_plans)."""
+    num_launched, num_moved = 0, 0
+    for plan in plans:
+        if num_launched and num_moved + plan.num_tokens_moved > max_moves:
+            break
+        num_launched += 1
+        num_moved += plan.num_tokens_moved
+    return plans[:num_launched], [plan.req_id for plan in plans[num_launched:]]
 
 
 def most_reclaimable_first(tables: Iterable[TokenTable], busy_req_ids: frozenset[int]) -> Iterator[tuple[TokenTable, Movables]]:
