@@ -312,6 +312,21 @@ def test_a_step_launches_plans_up_to_the_budget_and_the_next_step_starts_with_th
     assert not reclaimer.is_round_in_progress
 
 
+
+def test_an_ordered_round_step_launches_its_plans_up_to_the_budget_and_puts_the_rest_back_first() -> None:
+    """The ordered mode makes its plans and cuts them after (`within_budget`): the first plan
+    whatever it moves, then while the moves fit; the requests of the plans it dropped come first
+    at the next step."""
+    pool = BlockPool(32, S)
+    x, y, z = (make_layout("LL..", "L...", tail="L", pool=pool, req_id=req_id) for req_id in range(3))  # bound 1, 3 moves each
+    reclaimer = Reclaimer(ReclaimConfig(mode="ordered", max_moves_per_step=4), pool)
+    steps = [[(p.req_id, p.num_tokens_moved) for p in reclaimer.plan([x, y, z])]]
+    while reclaimer.is_round_in_progress:
+        steps.append([(p.req_id, p.num_tokens_moved) for p in reclaimer.plan([x, y, z])])
+    # each step picks two (their bounds, 4 moves each at most, fill two budgets) and plans both:
+    # 3 + 3 > 4, so the second waits and comes first at the next step
+    assert steps == [[(0, 3)], [(1, 3)], [(2, 3)]]
+
 def test_a_round_plans_each_request_as_it_is_when_its_turn_comes() -> None:
     """The requests a round reaches later are planned against their layout then: one that has
     nothing to give back any more, left, or has a copy in flight is passed over."""
