@@ -8,11 +8,17 @@ vtoken at 1.50x to 1.94x native at 5,000 requests within one hour; side by side,
                                             [--cache-sim]
 
 Per variant, two processes run under `valgrind --tool=cachegrind`, with PYTHONHASHSEED=0 so that
-both do the same work up to the replay: one loads the trace, builds the experiment and stops,
-the other then replays what `vtoken compare TRACE --open-loop --no-sweep --no-frontier` replays
-(default model, GPU and block budget, H2O at 50%). The replay's count is the difference.
-Counts of one configuration repeat within about 0.3% (allocation addresses, the garbage
-collector's timing). `--cache-sim` also simulates the caches, the last level set to 1 MiB as
+both do the same work up to the replay: one loads the trace, builds the experiment, loads the
+compiled loops (numba and every loop a replay calls, `load_compiled_loops`) and stops, the other
+then replays what `vtoken compare TRACE --open-loop --no-sweep --no-frontier` replays (default
+model, GPU and block budget, H2O at 50%). The replay's count is the difference: it leaves out
+numba's import and the loops' loading, some 3,000 M instructions that only the variants that
+evict pay, once a process, and a replay that compiled a loop the loading did not is refused
+(its count would hold a compilation). The loops are built for a generic x86-64 CPU
+(NUMBA_CPU_NAME=generic), the same under valgrind as outside it, and loaded from numba's cache,
+which an uncounted process fills first: a count does not depend on the host's CPU features or
+on whether the cache was warm. Counts of one configuration repeat within about 0.3%
+(allocation addresses, the garbage collector's timing). `--cache-sim` also simulates the caches, the last level set to 1 MiB as
 this kind of machine's per-core L2, and reports the replay's instruction-cache misses and its
 data misses at both levels.
 
@@ -20,7 +26,7 @@ An instruction ratio is not a time ratio: the work beyond native's is numpy call
 step has not touched yet, which cost more per instruction than the interpreter's loop over
 the running requests (cache misses), so host time ratios run above these.
 
-Needs valgrind on PATH (a one-line error and exit code 2 without it). About 80 s per variant
+Needs valgrind on PATH (a one-line error and exit code 2 without it). About 100 s per variant
 at 1,000 requests.
 """
 
@@ -45,12 +51,68 @@ COUNTERS = {"instructions": r"I\s+refs:\s+([\d,]+)", "I1 misses": r"I1\s+misses:
             "D1 misses": r"D1\s+misses:\s+([\d,]+)", "LL data misses": r"LLd misses:\s+([\d,]+)"}
 
 
+# the children's numba target: the same CPU under valgrind (which hides some of the host's
+# features) as in the uncounted process that fills the cache, so that its loops are found there
+CHILD_ENV = {"PYTHONHASHSEED": "0", "NUMBA_CPU_NAME": "generic"}
+COMPILED_MODULES = ("vtoken.kv.compiled", "vtoken.kv.compiled_check", "vtoken.kv.compiled_evict",
+                    "vtoken.engine.sim_compiled", "vtoken.policies.selection")
+
+
+def load_compiled_loops() -> None:
+    """Import numba and load (or compile) every compiled loop a replay calls, for the types it
+    passes: the substrate's and the policies' (engine/warmup.py), and the sim's scores'."""
+    import numpy as np
+
+    from vtoken.engine import sim_compiled
+    from vtoken.engine.warmup import warm_compiled_loops
+
+    warm_compiled_loops()
+    sim_compiled.pareto_plus_one(np.ones(2), 1.5, np.empty(2))
+    sim_compiled.weighted_by_age(np.ones(2), np.ones(2), 2, np.zeros(1, dtype=np.int64))
+
+
+def compiled_signatures() -> dict[str, int]:
+    """How many typed versions each compiled loop of COMPILED_MODULES holds now."""
+    import importlib
+
+    counts = {}
+    for module_name in COMPILED_MODULES:
+        for value in vars(importlib.import_module(module_name)).values():
+            if hasattr(value, "signatures") and hasattr(value, "py_func"):  # a numba dispatcher, under its own name
+                counts[f"{value.py_func.__module__}.{value.py_func.__qualname__}"] = len(value.signatures)
+    return counts
+
+
+def compiled_since(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The loops that gained a typed version between two `compiled_signatures`."""
+    return sorted(name for name, count in after.items() if count > before.get(name, 0))
+
+
 def replay(variant: str, azure: str, max_requests: int, setup_only: bool) -> None:
-    """The measured process: load and build; then, unless `setup_only`, replay."""
+    """The measured process: load and build, load the compiled loops; then, unless
+    `setup_only`, replay, and exit with code 3 if the replay compiled a loop (both processes
+    take the same snapshots, so that their difference is the replay's)."""
     experiment, requests = replayed(azure, max_requests)
     run = experiment.run(variant, None)
+    load_compiled_loops()
+    loaded = compiled_signatures()
     if not setup_only:
         run_sim(run, requests)
+    compiled = compiled_since(loaded, compiled_signatures())
+    if compiled:
+        print(f"{SCRIPT}: the replay compiled {', '.join(compiled)}, which load_compiled_loops did not load", file=sys.stderr)
+        sys.exit(3)
+
+
+def fill_numba_cache(variant: str, args: argparse.Namespace) -> None:
+    """Run the setup process once outside valgrind, uncounted, so that numba's cache holds
+    the children's loops and no counted process compiles one."""
+    child = [sys.executable, __file__, "--child", variant, "--azure", args.azure, "--max-requests", str(args.max_requests),
+             "--setup-only"]
+    done = subprocess.run(child, capture_output=True, text=True, env={**os.environ, **CHILD_ENV, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        fail(SCRIPT, f"loading the compiled loops outside valgrind exited with {done.returncode}: {last}")
 
 
 def counted(variant: str, args: argparse.Namespace, setup_only: bool) -> dict[str, int]:
@@ -61,7 +123,7 @@ def counted(variant: str, args: argparse.Namespace, setup_only: bool) -> dict[st
     if setup_only:
         child.append("--setup-only")
     done = subprocess.run(valgrind + child, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, **CHILD_ENV, "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         fail(SCRIPT, f"the {variant} replay under valgrind exited with {done.returncode}: {last}")
@@ -91,6 +153,7 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         fail(SCRIPT, "valgrind is not on PATH (it counts the instructions)")
     print(f"first {args.max_requests} requests of {args.azure}, open loop, one replay per variant under cachegrind", flush=True)
+    fill_numba_cache(variants[0], args)
     rows = {}
     for variant in variants:
         setup, whole = counted(variant, args, True), counted(variant, args, False)

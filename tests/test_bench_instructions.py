@@ -1,7 +1,8 @@
 """benchmarks/bench_instructions.py: bad input is a one-line error with exit code 2 before
-anything runs under valgrind; where valgrind is installed, a replay of a few requests counts
-instructions for every variant it was given. No count is checked: figures come from the
-benchmark."""
+anything runs under valgrind; a loop compiled by the replay, which its count would hold, is
+found; where valgrind is installed, a replay of a few requests counts instructions for every
+variant it was given, its loops loaded from numba's cache (a replay that compiled one exits
+with an error). No count is checked: figures come from the benchmark."""
 
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def test_without_valgrind_it_says_so_and_exits_2(tmp_path: Path) -> None:
     completed = run("--azure", str(SAMPLE), path=str(tmp_path))  # an empty directory: no valgrind on PATH
     assert completed.returncode == 2
     assert completed.stderr.strip() == "bench_instructions: valgrind is not on PATH (it counts the instructions)"
+
+
+def test_a_loop_compiled_between_two_snapshots_is_named() -> None:
+    """`compiled_since` names a loop that gained a typed version (here `ascending` for floats,
+    which no replay passes) and nothing else."""
+    code = ("import numpy as np; import bench_instructions as b; from vtoken.kv import compiled_check as c; "
+            "c.ascending(np.arange(3)); before = b.compiled_signatures(); c.ascending(np.arange(3.0)); "
+            "print(b.compiled_since(before, b.compiled_signatures())); print(b.compiled_since(before, before))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]))
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.splitlines() == ["['vtoken.kv.compiled_check.ascending']", "[]"]
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
