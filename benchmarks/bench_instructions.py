@@ -16,11 +16,11 @@ numba's import and the loops' loading, some 3,000 M instructions that only the v
 evict pay, once a process, and a replay that compiled a loop the loading did not is refused
 (its count would hold a compilation). The loops are built for a generic x86-64 CPU
 (NUMBA_CPU_NAME=generic), the same under valgrind as outside it, and loaded from numba's cache,
-which an uncounted process fills first: a count does not depend on the host's CPU features or
-on whether the cache was warm. Counts of one configuration repeat within about 0.3%
-(allocation addresses, the garbage collector's timing). `--cache-sim` also simulates the caches, the last level set to 1 MiB as
-this kind of machine's per-core L2, and reports the replay's instruction-cache misses and its
-data misses at both levels.
+which an uncounted process fills first: their code does not depend on the host's CPU features,
+nor a count on whether the cache was warm. Counts of one configuration repeat within about
+0.3% (allocation addresses, the garbage collector's timing). `--cache-sim` also simulates the
+caches, the last level set to 1 MiB as this kind of machine's per-core L2, and reports the
+replay's instruction-cache misses and its data misses at both levels.
 
 An instruction ratio is not a time ratio: the work beyond native's is numpy calls on arrays a
 step has not touched yet, which cost more per instruction than the interpreter's loop over
