@@ -7,6 +7,7 @@ with an error). No count is checked: figures come from the benchmark."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,9 +59,13 @@ def test_a_loop_compiled_between_two_snapshots_is_named() -> None:
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
-def test_it_counts_a_few_requests_per_variant() -> None:
-    completed = run("--azure", str(SAMPLE), "--max-requests", "2", "--variants", "vtoken")
+def test_it_counts_a_few_requests_per_variant_and_what_loading_the_loops_costs() -> None:
+    completed = run("--azure", str(SAMPLE), "--max-requests", "2", "--variants", "vtoken", "--loading-cost")
     assert completed.returncode == 0, completed.stderr
-    last = completed.stdout.splitlines()[-1]
-    assert last.startswith("vtoken       instructions ") and last.endswith(" M")
-    assert float(last.split()[2].replace(",", "")) > 0
+    count = next(line for line in completed.stdout.splitlines() if line.startswith("vtoken       instructions "))
+    assert count.endswith(" M") and float(count.split()[2].replace(",", "")) > 0
+    loading = re.search(r"left out of every count above: ([\d,.]+) M instructions \(a set-up process with them, ([\d,.]+) M, "
+                        r"less one without, ([\d,.]+) M\)", completed.stdout)
+    assert loading, completed.stdout
+    cost, with_loops, without = (float(value.replace(",", "")) for value in loading.groups())
+    assert cost > 0 and abs(with_loops - without - cost) < 0.2

@@ -13,18 +13,13 @@ SCRIPT = """
 import json
 from dataclasses import replace
 
-import numba
 import numpy as np
 
-from vtoken.engine.warmup import warm_compiled_loops
-from vtoken.kv import compiled
-from vtoken.policies import selection
+from vtoken.engine.warmup import compiled_signatures, warm_compiled_loops
 
 
-def signatures():
-    return {f"{module.__name__}.{name}": [str(s) for s in value.signatures]
-            for module in (compiled, selection) for name, value in vars(module).items()
-            if isinstance(value, numba.core.registry.CPUDispatcher) and not name.startswith("_")}
+def signatures():  # the substrate's loops, as kv/compiled.py gives them to their callers, and the policies'
+    return compiled_signatures(("vtoken.kv.compiled", "vtoken.policies.selection"))
 
 
 warm_compiled_loops()
@@ -80,15 +75,12 @@ def test_no_compiled_loop_compiles_again_after_the_warmup():
 
 
 TRACKER_SCRIPT = """
-import numba
 from vtoken.engine.vllm.settings import VllmSettings
 from vtoken.engine.vllm.tracker import VTokenTracker
-from vtoken.kv import compiled
-from vtoken.policies import selection
+from vtoken.engine.warmup import compiled_signatures
 
 VTokenTracker(VllmSettings(), num_blocks=64, block_size=16)
-print(sorted(name for module in (compiled, selection) for name, value in vars(module).items()
-             if isinstance(value, numba.core.registry.CPUDispatcher) and not name.startswith("_") and not value.signatures))
+print(sorted(name for name, count in compiled_signatures(("vtoken.kv.compiled", "vtoken.policies.selection")).items() if not count))
 """
 
 

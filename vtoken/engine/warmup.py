@@ -16,6 +16,8 @@ workloads after it and fails if any loop compiles again.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 from vtoken.invariants import check_round
@@ -26,6 +28,9 @@ from vtoken.kv.token_table import TokenTable
 from vtoken.policies.base import lowest_positions
 
 BLOCK_SIZE = 4
+# every module of compiled loops (vtoken/jit.py); each imports numba
+COMPILED_MODULES = ("vtoken.kv.compiled", "vtoken.kv.compiled_check", "vtoken.kv.compiled_evict",
+                    "vtoken.policies.selection", "vtoken.engine.sim_compiled")
 SCORE_DTYPES = (np.float64, np.int32, np.int64)  # attention_sum and attention_last; importance_count; token ids (StreamingLLM)
 
 
@@ -56,3 +61,26 @@ def warm_compiled_loops() -> None:
             lowest_positions(scores[:n], k)
             lowest_unprotected_ids(token_ids[:n], scores[:n], 0, n, n - k)  # a policy's run (`evict_lowest`), k victims
     unprotected_slice(token_ids, 0, 64, 60)  # the rule alone (`num_victims`)
+
+
+def warm_sim_loops() -> None:
+    """Compile or load the sim executor's scores (engine/sim_compiled.py) for the types the sim
+    passes them (float64 values, int64 token ids): what a replay on the sim would otherwise load
+    at its first scores."""
+    from vtoken.engine import sim_compiled  # numba: at the call, not with this module
+
+    sim_compiled.pareto_plus_one(np.ones(2), 1.5, np.empty(2))
+    sim_compiled.weighted_by_age(np.ones(2), np.ones(2), 2, np.zeros(1, dtype=np.int64))
+
+
+def compiled_signatures(module_names: tuple[str, ...] = COMPILED_MODULES) -> dict[str, int]:
+    """How many typed versions each compiled loop bound to a public name in these modules holds
+    now (the entry points their callers reach from Python; a loop that only other loops call
+    holds none of its own), under the loop's own name, module.qualname, so that a loop another
+    module re-exports counts once. Imports the modules, and numba with them."""
+    counts = {}
+    for module_name in module_names:
+        for name, value in vars(importlib.import_module(module_name)).items():
+            if not name.startswith("_") and hasattr(value, "signatures") and hasattr(value, "py_func"):  # a numba dispatcher
+                counts[f"{value.py_func.__module__}.{value.py_func.__qualname__}"] = len(value.signatures)
+    return counts
