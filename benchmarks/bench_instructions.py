@@ -19,7 +19,9 @@ without), and a replay that compiled a loop the loading did not is refused
 (NUMBA_CPU_NAME=generic), the same under valgrind as outside it, and loaded from numba's cache,
 which an uncounted process fills first: their code does not depend on the host's CPU features,
 nor a count on whether the cache was warm. Counts of one configuration repeat within about
-0.3% (allocation addresses, the garbage collector's timing). `--cache-sim` also simulates the
+0.5% at 1,000 requests (vtoken's replay: 14,436.9 M at c1fb5ef, 14,505.6 M at b4e52d6), and move
+by a quarter at a few requests: the garbage collector's timing, whose full collections scan
+numba's objects too, and allocation addresses. `--cache-sim` also simulates the
 caches, the last level set to 1 MiB as this kind of machine's per-core L2, and reports the
 replay's instruction-cache misses and its data misses at both levels.
 
