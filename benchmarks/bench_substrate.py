@@ -1,6 +1,6 @@
 """Host-side cost of the vToken substrate per decode step, against the modelled step. A benchmark, not a test.
 
-    python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,whole-round,paced]
+    python benchmarks/bench_substrate.py [--quick] [--sizes 64x8K,1024x8K] [--cadences default,auto,whole-round,paced]
                                          [--landing same-step|next-step] [--reader none|slots] [--replays N]
                                          [--fit-budgets 256,512,1024,2048] [--replan-first]
                                          [--warm-round-code [verbs|compiled]] [--sweep-mb MB]
@@ -28,7 +28,7 @@ reader of the dense host slot list (the hf executor's attention) pays to bring i
 after the step's evictions; a list kept up to date also makes every eviction record its
 entry's removal (slot_cache.py), in evict. By default nothing reads the lists (`--reader
 none`): the sim's and the vLLM executor's engines never do, and the modelled step below is
-theirs. The round cadences (default, whole-round, paced) are measured over one
+theirs. The round cadences (default, auto, whole-round, paced) are measured over one
 whole cycle (from the step a round ends in to the step the next one ends in), so that the mean
 amortizes the round: 64 timed steps after the round, then (untimed) 32 steps at a time in bulk
 while F is more than 0.005 below theta_F, then timed steps up to and including the end of the
@@ -305,7 +305,7 @@ def warmed_run(num_requests: int, context_tokens: int, cadence: str, step_us: fl
     request), then steps until a reclamation round ended (and a few more, every-step).
     `config`: the reclaimer's, in place of the cadence's (a round cadence's); `landing`,
     `reader`: EvictingRun's."""
-    num_steps = {"default": 2 * MAX_CYCLE_STEPS, "whole-round": 2 * MAX_CYCLE_STEPS, "paced": 2 * MAX_CYCLE_STEPS, "every-step": 1024}[cadence]
+    num_steps = 1024 if cadence == "every-step" else 2 * MAX_CYCLE_STEPS
     run = EvictingRun(num_requests, context_tokens, num_steps, config or reclaim_config(cadence, step_us),
                       every_step=cadence == "every-step", seed=seed, clock=clock, landing=landing, reader=reader)
     if cadence == "every-step":
@@ -327,7 +327,7 @@ def time_check_plan_us(run: EvictingRun, num_plans: int = 20) -> float:
             table.release_blocks(emptied)
             run.pool.free(emptied)
     timings = []
-    plans = run.reclaimer.plan(run.tables)[:num_plans]
+    plans = run.reclaimer.plan(run.tables, step_s=run.step_s)[:num_plans]
     for plan in plans[:1]:  # once untimed: its first call imports what it uses
         check_plan(plan, run.by_id[plan.req_id], run.pool, frozenset())
     for plan in plans:
@@ -455,7 +455,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     bookkeeping = [float(m[1] + m[2]) for m in means]
     median = int(np.argsort(bookkeeping)[len(bookkeeping) // 2])
     growth_us, evict_us, reclaim_us, slots_us = (float(x) for x in means[median])
-    budget = run.reclaimer.config.max_moves_per_step
+    budget = run.reclaimer.step_budget(run.step_s)[0]
     steps = launching[median]
     columns = [(s.num_plans, s.num_tokens_moved, *s.parts_s) for s in steps]  # plans, moved, then the four parts
     step_medians = np.median(np.array(columns, dtype=np.float64), axis=0) if steps else np.zeros(6)
@@ -465,7 +465,7 @@ def measure_evict(num_requests: int, context_tokens: int, num_window_steps: int,
     others = [s.reclaim_s for s in steps if not s.is_first]
     return EvictRow(num_requests, context_tokens, cadence, landing, reader, budget, num_steps[median], num_round_steps[median], growth_us, evict_us,
                     reclaim_us, slots_us, plans_per_step[median], moved_per_round[median], max_moved_per_step, (min(bookkeeping), max(bookkeeping)),
-                    worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.config.max_src_blocks,
+                    worst[median], (min(worst), max(worst)), check_us, step_us, run.reclaimer.step_budget(run.step_s)[1],
                     len(steps), float(step_medians[0]), float(step_medians[1]), tuple(float(1e6 * t) for t in step_medians[2:]),
                     len(firsts), tuple(float(t) for t in first_medians[:4]), float(first_medians[4]), float(first_medians[5]),
                     float(1e6 * np.median(others)) if others else 0.0, num_replays if replayed else 1,

@@ -9,6 +9,8 @@ them, or with `landing="next-step"` at the next one, as asynchronous copies do):
     default      as shipped (ReclaimConfig defaults): every k = 4 steps, when F >= theta_F =
                  0.25, a round starts; it moves at most 2,048 tokens a step and goes on at the
                  next steps until every request it took is planned
+    auto         the default with a budget that follows the step (`--reclaim-budget auto`,
+                 StepShare): 10 moves a millisecond of the modelled step, B as shipped
     whole-round  the same gate, the whole round in the step it starts (max_moves_per_step=None,
                  `vtoken compare --reclaim-budget none`): one step does a whole cycle's work
     paced        the gate checked every step, a step's moves capped at a budget derived from
@@ -35,21 +37,21 @@ from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.live_counts import compiled_loops
 from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.planning import plan_hole_fill_round
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, StepShare
 from vtoken.kv.token_table import TokenTable
 from vtoken.model_spec import resolve_model
 
 BLOCK_SIZE = 16
 NUM_SINK_TOKENS = 4
 NUM_RECENT_TOKENS = 256
-CADENCES = ("default", "whole-round", "paced", "every-step")
+CADENCES = ("default", "auto", "whole-round", "paced", "every-step")
 LANDINGS = ("same-step", "next-step")  # when launched plans land: synchronous copies, or asynchronous (a GPU's)
 # who reads every table's slot list after a step: nothing (the sim's and the vLLM executor's
 # engines: attention reads the block table, Runtime and vllm/ never call `slots()`), or the hf
 # executor's attention, which reads `slots()` of every request at every step (engine/hf.py)
 # and so keeps each list up to date, which every eviction then records (`remove_later`)
 READERS = ("none", "slots")
-ROUND_CADENCES = ("default", "whole-round", "paced")  # a round starts at a check and ends when it is done
+ROUND_CADENCES = ("default", "auto", "whole-round", "paced")  # a round starts at a check and ends when it is done
 # The paced cadence's step moves at most about this share of the modelled decode step's worth
 # of tokens, at HOST_US_PER_MOVE each (a moved token's host cost in plans of a few hundred
 # moves: plan, apply, release, free; measured with this bench on the 2-core machine, 0.3-0.5 us
@@ -84,6 +86,8 @@ def reclaim_config(cadence: str, step_us: float, mode: str = "hole-fill") -> Rec
         return budgeted_config(paced_moves_per_step(step_us), mode)
     if cadence == "whole-round":
         return ReclaimConfig(mode=mode, max_moves_per_step=None)
+    if cadence == "auto":
+        return ReclaimConfig(mode=mode, max_moves_per_step=StepShare())
     return ReclaimConfig(mode=mode)
 
 
@@ -241,6 +245,10 @@ class EvictingRun:
         self.pool = BlockPool(num_pool_blocks(num_requests, context_tokens, num_steps) + 64 * num_requests, BLOCK_SIZE)
         self.tables = make_tables(self.pool, num_requests, context_tokens)
         self.reclaimer = Reclaimer(config, self.pool)
+        # the step a lazy round step follows, for a budget that follows it (StepShare): the
+        # modelled one of this configuration, every step alike
+        self.step_s = (modelled_step_us(num_requests, context_tokens) / 1e6
+                       if isinstance(config.max_moves_per_step, StepShare) else None)
         self.engine = CopyEngine(None, "sync")
         self.by_id = {t.req_id: t for t in self.tables}
         self.rng = np.random.default_rng(seed)
@@ -312,7 +320,7 @@ class EvictingRun:
         clock = self.clock
         started = clock()
         was_in_progress = self.reclaimer.is_round_in_progress
-        plans = self.reclaimer.plan(self.tables)
+        plans = self.reclaimer.plan(self.tables, step_s=self.step_s)
         self.num_rounds += (was_in_progress or bool(plans)) and not self.reclaimer.is_round_in_progress
         if not was_in_progress:
             self.launched_in_round = False
@@ -360,7 +368,7 @@ class EvictingRun:
         if self.reclaimer.config.mode != "hole-fill":
             return 0.0
         started = self.clock()
-        plan_hole_fill_round(tables, self.reclaimer.config.max_src_blocks)
+        plan_hole_fill_round(tables, self.reclaimer.step_budget(self.step_s)[1])
         return self.clock() - started
 
     def step(self, victims: np.ndarray) -> tuple[float, float, float, float]:

@@ -104,7 +104,7 @@ CASES = {
     "compare-block-size": ([*COMPARE, "--block-size", "0"], "--block-size must be > 0"),
     "compare-eviction-interval": ([*COMPARE, "--eviction-interval", "0"], "--eviction-interval must be > 0"),
     "compare-concurrency": ([*COMPARE, "--concurrency", "0"], "--concurrency must be > 0"),
-    "compare-reclaim-budget": ([*COMPARE, "--reclaim-budget", "0"], "--reclaim-budget must be an integer > 0 or 'none'"),
+    "compare-reclaim-budget": ([*COMPARE, "--reclaim-budget", "0"], "--reclaim-budget must be an integer > 0, 'auto' or 'none'"),
     "compare-reclaim-interval": ([*COMPARE, "--reclaim-interval", "0"], "--reclaim-interval must be > 0, got 0"),
     "compare-reclaim-batch-blocks": ([*COMPARE, "--reclaim-batch-blocks", "1"], "--reclaim-batch-blocks must be >= 2"),
     "compare-reclaim-mode": ([*COMPARE, "--reclaim-mode", "magic"], "'magic'"),

@@ -16,7 +16,7 @@ import pytest
 
 from vtoken import defaults
 from vtoken.invariants import check_conservation, check_plan, check_unique_mapping
-from vtoken.kv.reclaim import ReclaimConfig
+from vtoken.kv.reclaim import ReclaimConfig, StepShare
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,16 +120,21 @@ def test_bad_fit_budgets_are_a_one_line_usage_error(budgets: str, message: str) 
     assert "Traceback" not in completed.stderr
 
 
-@pytest.mark.parametrize(("cadence", "landing"), [("default", "same-step"), ("paced", "same-step"), ("paced", "next-step")])
+@pytest.mark.parametrize(("cadence", "landing"), [("default", "same-step"), ("auto", "same-step"), ("auto", "next-step"),
+                                                   ("paced", "same-step"), ("paced", "next-step")])
 def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str, landing: str) -> None:
     """The bench's reclaimer under one eviction per request per step: as shipped (a round of at
-    most RECLAIM_MOVES_PER_STEP moves a step, going on at the next steps), and paced (checked
-    every step, a budget from the step, plans of at most 1.25 x budget / S blocks). Every plan
-    passes the I4 check, the mapping stays unique after every step, no live token is lost, no
-    step moves more than max(budget, B x S), and rounds keep F under theta_F plus a margin."""
+    most RECLAIM_MOVES_PER_STEP moves a step, going on at the next steps), auto (a budget that
+    follows the modelled step, StepShare: plans of at most B' = 1.25 x budget / S blocks, a plan
+    B' cut going on at the next step), and paced (auto's budget and B', checked every step).
+    Every plan passes the I4 check, the mapping stays unique after every step, no live token is
+    lost, no step moves more than max(budget, B' x S), and rounds keep F under theta_F plus a
+    margin."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from substrate_workload import BLOCK_SIZE, EvictingRun, choose_victims, paced_moves_per_step, reclaim_config
+        from substrate_workload import (
+            BLOCK_SIZE, EvictingRun, choose_victims, modelled_step_us, paced_moves_per_step, reclaim_config,
+        )
     finally:
         sys.path.pop(0)
     step_us = 10_000.0
@@ -138,16 +143,25 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str, lan
         budget = paced_moves_per_step(step_us)
         assert (config.max_moves_per_step, config.max_src_blocks, config.check_interval_steps) == (budget, 5 * budget // (4 * BLOCK_SIZE), 1)
         num_requests, context_tokens = 8, 2048
+        max_src_blocks = config.max_src_blocks
+    elif cadence == "auto":
+        assert config == ReclaimConfig(max_moves_per_step=StepShare())
+        num_requests, context_tokens = 24, 4096
     else:
         budget = defaults.RECLAIM_MOVES_PER_STEP
         assert config == ReclaimConfig()
         num_requests, context_tokens = 24, 4096  # rounds of a few budgets each
     run = EvictingRun(num_requests, context_tokens, 600, config, seed=5, landing=landing)
+    if cadence == "auto":  # the step's budget and B', from the configuration's modelled step
+        budget, max_src_blocks = run.reclaimer.step_budget(run.step_s)
+        assert run.step_s == modelled_step_us(num_requests, context_tokens) / 1e6 and max_src_blocks < config.max_src_blocks
+    elif cadence == "default":
+        max_src_blocks = config.max_src_blocks
     run.prefragment(int(config.theta_f * context_tokens) - 2 * BLOCK_SIZE)
     plan_rounds = run.reclaimer.plan
 
-    def checked_plan(tables, busy=frozenset()):
-        plans = plan_rounds(tables, busy)
+    def checked_plan(tables, busy=frozenset(), step_s=None):
+        plans = plan_rounds(tables, busy, step_s)
         for plan in plans:
             check_plan(plan, run.by_id[plan.req_id], run.pool, busy)
         calls.append((len(plans), sum(plan.num_tokens_moved for plan in plans)))
@@ -185,7 +199,7 @@ def test_a_cadence_keeps_every_invariant_and_bounds_every_step(cadence: str, lan
         for table, live in zip(run.tables, live_before):
             check_conservation(table.req_id, live, table.live_token_ids()[: live.size])
     moved = [num_moved for _, num_moved in calls]
-    assert sum(m > 0 for m in moved) >= 10 and max(moved) <= max(budget, config.max_src_blocks * BLOCK_SIZE)
+    assert sum(m > 0 for m in moved) >= 10 and max(moved) <= max(budget, max_src_blocks * BLOCK_SIZE)
     assert run.num_rounds >= 1 and sum(moved) > 2 * budget  # rounds that needed more than one step
     num_firsts = sum(step.is_first for step in run.round_steps)  # one a round; the last may be unfinished
     assert run.num_rounds <= num_firsts <= run.num_rounds + 1

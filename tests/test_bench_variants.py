@@ -142,7 +142,7 @@ def test_step_costs_times_each_steps_memory_work_and_restores_the_runtime() -> N
      "--interleave must be at least 1 step, got 0"),
     (("--azure", "/nonexistent/trace.csv"), "--azure: no trace at /nonexistent/trace.csv"),
     (("--reclaim-budget", "0", "--azure", str(ROOT / "sample_traces" / "azure_conv_sample.csv")),
-     "--reclaim-budget must be an integer > 0 or 'none', got '0'"),
+     "--reclaim-budget must be an integer > 0, 'auto' or 'none', got '0'"),
     (("--variants", "native", "--step-costs", "--azure", str(ROOT / "sample_traces" / "azure_conv_sample.csv")),
      "--step-costs times eviction and reclamation: add naive-evict or vtoken to --variants"),
 ])

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vtoken.compare import CompareOptions, compare, report_to_json
+from vtoken.kv.reclaim import StepShare
 from vtoken.replay import make_replayer
 from vtoken.trace import load_trace
 from vtoken_cli.app import app
@@ -61,6 +62,23 @@ def test_the_reclaimers_cadence_reaches_the_run_and_its_json():
     report = compare(load_trace(SAMPLE, max_requests=30), config, options, make_replayer("sim"), num_blocks=600)
     assert budgeted == json.loads(json.dumps(report_to_json(report)))
 
+
+
+def test_a_budget_that_follows_the_step_reaches_the_run_and_its_json():
+    """--reclaim-budget auto: the run's config holds the StepShare (its rate in the JSON), its
+    result equals the library's at that config, and it moves otherwise than the fixed default."""
+    args = [str(SAMPLE), *SMALL, "--no-sweep", "--no-frontier", "--json", "--theta-f", "0.05", "--variants", "vtoken"]
+    following = json.loads(invoke(*args, "--reclaim-budget", "auto").stdout)
+    assert following["config"]["reclaim"]["max_moves_per_step"] == {"moves_per_ms": 10.0}
+    config = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=600, gpu_mem_util=0.9, block_size=16,
+                              policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.05,
+                              seed=0, sim_profile=None, reclaim_budget="auto")
+    assert config.reclaim.max_moves_per_step == StepShare()
+    options = CompareOptions((2, 8), with_sweep=False, with_frontier=False, concurrency=8, variants=("vtoken",))
+    report = compare(load_trace(SAMPLE, max_requests=30), config, options, make_replayer("sim"), num_blocks=600)
+    assert following == json.loads(json.dumps(report_to_json(report)))
+    fixed = json.loads(invoke(*args).stdout)
+    assert following["variants"]["vtoken"]["relocation_events"] != fixed["variants"]["vtoken"]["relocation_events"]
 
 def test_output_dir_has_json_csv_and_plots(tmp_path):
     out = tmp_path / "run"
@@ -119,7 +137,7 @@ def write(tmp_path: Path, name: str, text: str) -> str:
         (["{sample}", "--budget", "150%"], "budget"),
         (["{sample}", "--reclaim-mode", "magic"], "unknown reclaim mode"),
         (["{sample}", "--theta-f", "1.5"], "--theta-f"),
-        (["{sample}", "--reclaim-budget", "0"], "--reclaim-budget must be an integer > 0 or 'none', got '0'"),
+        (["{sample}", "--reclaim-budget", "0"], "--reclaim-budget must be an integer > 0, 'auto' or 'none', got '0'"),
         (["{sample}", "--num-blocks", "0"], "--num-blocks"),
         (["{sample}", "--executor", "tpu"], "unknown executor"),
         (["{sample}", "--concurrencies", "1,x"], "--concurrencies"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from vtoken.kv.reclaim import StepShare
 from vtoken.replay import SimReplayer
 from vtoken.sweep import PARAMETERS, SweepOptions, Vary, report_to_json, sweep
 from vtoken.trace import load_trace
@@ -61,21 +62,23 @@ def test_one_factor_at_a_time_versus_a_grid(grid, num_points) -> None:
 def test_the_reclaimers_cadence_is_a_run_parameter() -> None:
     """--vary reclaim_budget, reclaim_interval and reclaim_batch_blocks reach each point's run
     (the JSON equals the library's sweep over those configs) and name it in the JSON ('none':
-    the whole round in one step); the cadence changes what the reclaimer moves."""
-    result = invoke("--vary", "reclaim_budget=none,64", "--vary", "reclaim_interval=1", "--vary",
+    the whole round in one step, 'auto': a budget that follows the step); the cadence changes
+    what the reclaimer moves."""
+    result = invoke("--vary", "reclaim_budget=none,64,auto", "--vary", "reclaim_interval=1", "--vary",
                     "reclaim_batch_blocks=2,8", "--variants", "vtoken", "--theta-f", "0.05", "--json")
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)
     base = build_experiment(model="llama-3.1-8b", gpu="h100-80gb", num_blocks=400, gpu_mem_util=0.9, block_size=16,
                             policy="h2o", budget="50%", eviction_interval=32, reclaim_mode="hole-fill", theta_f=0.05,
                             seed=0, sim_profile=None).run("vtoken", 4)
-    options = SweepOptions((Vary("reclaim_budget", (None, 64)), Vary("reclaim_interval", (1,)),
+    options = SweepOptions((Vary("reclaim_budget", (None, 64, StepShare())), Vary("reclaim_interval", (1,)),
                             Vary("reclaim_batch_blocks", (2, 8))), variants=("vtoken",))
     report = sweep(load_trace(SAMPLE, max_requests=12), base, options, SimReplayer(), num_blocks=400)
     assert printed == json.loads(json.dumps(report_to_json(report)))
     assert [p["params"] for p in printed["points"]] == [
         {"reclaim_budget": "none", "reclaim_interval": 4, "reclaim_batch_blocks": 64},
         {"reclaim_budget": 64, "reclaim_interval": 4, "reclaim_batch_blocks": 64},
+        {"reclaim_budget": "auto", "reclaim_interval": 4, "reclaim_batch_blocks": 64},
         {"reclaim_budget": 2048, "reclaim_interval": 1, "reclaim_batch_blocks": 64},
         {"reclaim_budget": 2048, "reclaim_interval": 4, "reclaim_batch_blocks": 2},
         {"reclaim_budget": 2048, "reclaim_interval": 4, "reclaim_batch_blocks": 8}]
@@ -114,7 +117,7 @@ def test_output_writes_a_csv_and_a_plot_per_key(tmp_path) -> None:
     ("policy=lru", "--vary policy=lru:"),
     ("gpu=tpu", "--vary gpu=tpu:"),
     ("block_size=8,8", "--vary block_size: 8 is given twice"),
-    ("reclaim_budget=0", "--vary reclaim_budget=0: --reclaim-budget must be an integer > 0 or 'none'"),
+    ("reclaim_budget=0", "--vary reclaim_budget=0: --reclaim-budget must be an integer > 0, 'auto' or 'none'"),
     ("reclaim_interval=0", "--vary reclaim_interval=0: --reclaim-interval must be > 0, got 0"),
     ("reclaim_batch_blocks=1", "--vary reclaim_batch_blocks=1: --reclaim-batch-blocks must be >= 2"),
     ("block_size=", "--vary block_size: give at least one value"),

@@ -16,7 +16,9 @@ from vtoken.invariants import check_plan, check_round, check_unique_mapping, pla
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.planning import movable_block_ids, num_reclaimable_blocks, plan_hole_fill, plan_ordered
-from vtoken.kv.reclaim import ROUND_PLANNING_SLACK, ReclaimConfig, Reclaimer, most_reclaimable_first, within_budget
+from vtoken.kv.reclaim import (
+    ROUND_PLANNING_SLACK, ReclaimConfig, Reclaimer, StepShare, most_reclaimable_first, within_budget,
+)
 from vtoken.kv.token_table import TokenTable
 
 S = 4
@@ -499,7 +501,7 @@ def plan_every_chosen_then_cut(reclaimer: Reclaimer, tables: list[TokenTable], b
     budget = reclaimer.config.max_moves_per_step
     if not reclaimer._round_req_ids:
         reclaimer._round_req_ids = reclaimer._round_order(tables, busy)
-    chosen = reclaimer._next_of_round(tables, busy, ROUND_PLANNING_SLACK * budget)
+    chosen = reclaimer._next_of_round(tables, busy, ROUND_PLANNING_SLACK * budget, reclaimer.config.max_src_blocks)
     plans, waiting = within_budget(reclaimer._plans(chosen, busy, None)[0], budget)
     reclaimer._round_req_ids.extend(reversed(waiting))
     return plans
@@ -743,3 +745,78 @@ def test_a_dropped_open_tail_leaves_tokens_off_their_uncompacted_positions() -> 
     table.evict_tokens(np.array([5, 6, 7]))  # logical block 4..7 is dead; [x x x 8] is not
     assert (table.num_blocks, table.num_uncompacted_blocks()) == (4, 3)
     assert table.num_blocks_over_uncompacted() == 1
+
+
+def test_a_budget_that_follows_the_step_is_its_share_of_that_step() -> None:
+    """StepShare: moves_per_ms tokens for every millisecond of the step before, two blocks'
+    worth at least, in plans of at most 1.25x that many source slots (B' blocks, between 2 and
+    the configured B); the configured budget and B otherwise; a StepShare without the step's
+    duration is a caller's error."""
+    pool = BlockPool(64, 16)
+    reclaimer = Reclaimer(ReclaimConfig(max_moves_per_step=StepShare()), pool)
+    assert reclaimer.step_budget(0.0336) == (336, 26)  # 64 x 8K's modelled step, at 10 a millisecond: 420 slots
+    assert reclaimer.step_budget(0.2) == (2000, 64)  # 156 blocks, past B = 64
+    assert reclaimer.step_budget(0.001) == (32, 2)  # 10 moves, below two blocks of 16
+    assert Reclaimer(ReclaimConfig(max_moves_per_step=StepShare(2.5)), pool).step_budget(0.1) == (250, 19)
+    assert Reclaimer(ReclaimConfig(max_moves_per_step=100, max_src_blocks=8), pool).step_budget(0.5) == (100, 8)
+    assert Reclaimer(ReclaimConfig(max_moves_per_step=None), pool).step_budget(0.5) == (None, 64)
+    with pytest.raises(ValueError, match="needs the step's duration"):
+        reclaimer.plan([])
+    with pytest.raises(ConfigError, match="tokens moved per millisecond of the step, got 0"):
+        StepShare(0.0)
+
+
+def test_a_round_under_a_budget_that_follows_the_step_plans_what_that_steps_fixed_budget_plans() -> None:
+    """Step by step, as the step's duration changes, a StepShare round (B' = B = 2 here, so no
+    plan is cut short) makes the plans of a round whose fixed budget is that step's number, the
+    plans landing between steps, and leaves the same requests, in the same order."""
+    rng = np.random.default_rng(11)
+    layouts = [["".join("L" if rng.random() < 0.4 else "." for _ in range(S)) for _ in range(int(rng.integers(2, 9)))]
+               for _ in range(24)]
+    layouts = [[b if "L" in b else "L" + b[1:] for b in blocks] for blocks in layouts]
+    share = StepShare(moves_per_ms=1.0)  # S = 4: two blocks' worth is 8 moves
+    step_durations = [0.012, 0.002, 0.03, 0.009, 0.0, 0.02, 0.05, 0.015, 0.008, 0.1] * 3
+    rounds = {}
+    for name, budget in (("following", share), ("fixed", 1)):
+        pool = BlockPool(400, S)
+        tables = [make_layout(*blocks, tail="L", pool=pool, req_id=req_id) for req_id, blocks in enumerate(layouts)]
+        reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill", max_src_blocks=2, max_moves_per_step=budget), pool)
+        steps = []
+        for step_s in step_durations:
+            if name == "fixed":
+                reclaimer.config = replace(reclaimer.config, max_moves_per_step=share.num_moves(step_s, S))
+            plans = reclaimer.plan(tables, step_s=step_s)
+            steps.append(([moves_of(p) for p in plans], list(reclaimer._round_req_ids)))
+            for plan in plans:
+                complete(plan, tables[plan.req_id])
+            if not reclaimer.is_round_in_progress:
+                break
+        rounds[name] = steps
+    assert rounds["following"] == rounds["fixed"]
+    assert len(rounds["fixed"]) > 4 and all(plans for plans, _ in rounds["fixed"])
+    budgets = [share.num_moves(step_s, S) for step_s in step_durations[:len(rounds["fixed"])]]
+    assert len(set(budgets)) > 3 and 8 in budgets  # the floor, and budgets that differ, were met
+
+
+def test_a_plan_the_steps_b_cut_short_goes_on_at_the_next_step_within_the_rounds_b() -> None:
+    """StepShare, B = 6: a budget of 8 moves gives B' = 2, so a plan takes 2 source blocks, and
+    its request comes first at the next step, again while 2 more fit in its 6."""
+    pool = BlockPool(64, S)
+    a = make_layout(*["L..."] * 12, tail="L", pool=pool, req_id=0)  # bound 9: at most 9 blocks freed
+    b = make_layout(*["L..."] * 8, tail="L", pool=pool, req_id=1)  # bound 6
+    tables = [a, b]
+    reclaimer = Reclaimer(ReclaimConfig(mode="hole-fill", max_src_blocks=6, max_moves_per_step=StepShare(1.0)), pool)
+    assert reclaimer.step_budget(0.008) == (8, 2)
+    steps = []
+    while True:
+        plans = reclaimer.plan(tables, step_s=0.008)
+        steps.append([(p.req_id, p.src_block_ids.size) for p in plans])
+        for plan in plans:
+            complete(plan, tables[plan.req_id])
+        if not reclaimer.is_round_in_progress:
+            break
+    # each step plans both (their bounds at B' = 2, 8 moves each, fill two budgets) and launches
+    # both (2 moves each: a source here holds one live token); B' cuts both plans, so both go on
+    # at the next step, a first, until each gave 6 = B blocks (without going on: one step, 2 each)
+    assert steps == [[(0, 2), (1, 2)]] * 3
+    assert len(a.held_block_ids) == 13 - 6 and len(b.held_block_ids) == 9 - 6

@@ -12,7 +12,7 @@ import pytest
 from vtoken.engine import Experiment, Run, Runtime, SimExecutor, run_sim
 from vtoken.engine.experiment import EvictionConfig
 from vtoken.hardware import resolve_gpu
-from vtoken.kv.reclaim import ReclaimConfig
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, StepShare
 from vtoken.model_spec import resolve_model
 from vtoken.policies import POLICIES
 from vtoken.policies.base import Budget
@@ -140,3 +140,37 @@ def test_golden_results_for_the_azure_sample():
 
 if __name__ == "__main__":
     GOLDEN.write_text(json.dumps(golden_figures(), indent=2, sort_keys=True) + "\n")
+
+
+def test_a_budget_that_follows_the_step_is_given_the_step_its_round_step_runs_after(monkeypatch):
+    """--reclaim-budget auto: every lazy round step gets the executor's duration of the step it
+    runs after (the sim's modelled one), and its plans move at most max(its budget, B' x S)."""
+    reclaim = ReclaimConfig(max_moves_per_step=StepShare(moves_per_ms=2.0), theta_f=0.05, check_interval_steps=1)
+    run = make_config("vtoken", concurrency=8, reclaim=reclaim)
+    experiment = run.experiment
+    executor = SimExecutor(experiment.model, experiment.gpu, experiment.sim, experiment.seed)
+    durations: list[float] = []
+    steps: list[tuple[int, float, int]] = []  # (steps executed before it, step_s, tokens its plans move)
+    execute, plan = executor.execute, Reclaimer.plan
+
+    def recording_execute(batch, load):
+        durations.append(execute(batch, load))
+        return durations[-1]
+
+    def recording_plan(self, tables, busy_req_ids=frozenset(), step_s=None):
+        plans = plan(self, tables, busy_req_ids, step_s)
+        steps.append((len(durations), step_s, sum(p.num_tokens_moved for p in plans)))
+        return plans
+
+    executor.execute = recording_execute
+    monkeypatch.setattr(Reclaimer, "plan", recording_plan)
+    result = Runtime(run, make_requests(24), executor).run()
+    launching = [s for s in steps if s[2]]
+    assert result.tokens_moved > 0 and len(launching) > 5
+    assert all(step_s == durations[num_executed - 1] for num_executed, step_s, _ in steps)
+    share = reclaim.max_moves_per_step
+    budgets = {share.num_moves(step_s, experiment.block_size) for _, step_s, _ in launching}
+    assert len(budgets) > 1  # the steps' durations, and so their budgets, differed
+    for _, step_s, moved in launching:  # max(budget, B' x S): B' = 1.25 x budget / S, B at most
+        budget = share.num_moves(step_s, experiment.block_size)
+        assert moved <= max(budget, share.num_src_blocks(budget, experiment.block_size, reclaim.max_src_blocks) * experiment.block_size)

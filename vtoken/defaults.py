@@ -57,6 +57,10 @@ RECLAIM_BATCH_BLOCKS = 64  # B: source blocks one request's relocation plan take
 # sim's 0.5 ms post-forward window. Twice the steady need of 1,024 requests that each lose a
 # token every step (hole-fill moves about one token per dead one).
 RECLAIM_MOVES_PER_STEP = 2048
+# `--reclaim-budget auto`: a lazy round step moves at most this many tokens per millisecond of
+# the step it follows (vtoken.kv.reclaim.StepShare): 0.5% of that step at 0.5 us of host
+# bookkeeping a moved token, a 33.6 ms step of 64 requests x 8K tokens 336 moves.
+RECLAIM_MOVES_PER_STEP_MS = 10.0
 # check-invariants: every iteration, so that as many relocations as possible run and are checked.
 CHECK_RECLAIM_INTERVAL_STEPS = 1
 # Inside vLLM: every iteration; a compaction runs after every eviction there anyway, and this

@@ -19,7 +19,7 @@ from vtoken.engine.experiment import VARIANTS, SchedulerConfig
 from vtoken.engine.sim import load_scheduler_overrides, load_sim_profile
 from vtoken.errors import ConfigError
 from vtoken.hardware import GPUS, GpuSpec, num_blocks_for_gpu, resolve_gpu
-from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
+from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig, StepShare
 from vtoken.model_spec import MODELS, ModelSpec, resolve_model
 from vtoken.paths import run_cache_dir_source
 from vtoken.policies import POLICIES, resolve_policy_name
@@ -54,7 +54,7 @@ Seed = Annotated[int, typer.Option(
 EvictionInterval = Annotated[int, typer.Option(help="Run the policy after prefill and every N generated tokens.")]
 ReclaimMode = Annotated[str, typer.Option(help=f"vToken planning mode: {RECLAIM_MODE_NAMES}.")]
 ThetaF = Annotated[float, typer.Option("--theta-f", help="Reclaim only when the waste ratio F is at least this.")]
-ReclaimBudget = Annotated[str, typer.Option(help="Tokens a lazy reclamation round moves per step at most (one request's plan at least); a larger round goes on at the next steps. 'none': the whole round in the step it starts.")]
+ReclaimBudget = Annotated[str, typer.Option(help=f"Tokens a lazy reclamation round moves per step at most (one request's plan at least); a larger round goes on at the next steps. 'auto': {defaults.RECLAIM_MOVES_PER_STEP_MS:g} per millisecond of the step before (two blocks' worth at least). 'none': the whole round in the step it starts.")]
 ReclaimInterval = Annotated[int, typer.Option(help="Check whether a lazy reclamation round starts every N steps (k).")]
 ReclaimBatchBlocks = Annotated[int, typer.Option(help="Source blocks a relocation plan of one request takes at most (B).")]
 Concurrency = Annotated[int, typer.Option(help="Closed-loop clients.")]
@@ -179,14 +179,16 @@ def check_serve_flags(*, variant: str, budget: str, sink_tokens: int, recent_tok
         raise ConfigError(f"--theta-f must be in (0, 1), got {theta_f:g}")
 
 
-def parse_reclaim_budget(text: str) -> int | None:
-    """--reclaim-budget: tokens a lazy round moves per step, an integer > 0, or 'none' (the whole
-    round in the step it starts)."""
+def parse_reclaim_budget(text: str) -> int | StepShare | None:
+    """--reclaim-budget: tokens a lazy round moves per step, an integer > 0, 'auto' (a number
+    that follows the step, StepShare), or 'none' (the whole round in the step it starts)."""
     stripped = text.strip().lower()
     if stripped == "none":
         return None
+    if stripped == "auto":
+        return StepShare()
     if not stripped.isdigit() or int(stripped) <= 0:
-        raise ConfigError(f"--reclaim-budget must be an integer > 0 or 'none', got '{text}'")
+        raise ConfigError(f"--reclaim-budget must be an integer > 0, 'auto' or 'none', got '{text}'")
     return int(stripped)
 
 

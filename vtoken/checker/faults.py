@@ -326,11 +326,11 @@ class _SharedBlockReclaimer(Reclaimer):
         self._fault = fault
 
     def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int], num_blocks_wanted: int | None,
-               max_moves: int | None = None) -> tuple[list[RelocationPlan], list[int]]:
+               max_moves: int | None = None, max_src_blocks: int | None = None) -> tuple[list[RelocationPlan], list[int]]:
         # every planning entry point (lazy rounds, packing under pressure, the layout re-pack) plans here
         tables = list(tables)
         by_id = {t.req_id: t for t in tables}
-        plans, waiting_req_ids = super()._plans(tables, busy_req_ids, num_blocks_wanted, max_moves)
+        plans, waiting_req_ids = super()._plans(tables, busy_req_ids, num_blocks_wanted, max_moves, max_src_blocks)
         return [self._with_shared_block(plan, by_id[plan.req_id]) for plan in plans], waiting_req_ids
 
     def _with_shared_block(self, plan: RelocationPlan, table: TokenTable) -> RelocationPlan:

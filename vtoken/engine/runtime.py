@@ -213,7 +213,7 @@ class Runtime:
             elif evicts and state.num_generated >= state.eviction.due_at:  # EvictionSchedule.is_due, at every step
                 self._evict(state)
         if self.reclaimer is not None and self.reclaimer.is_eligible(self.num_iterations):
-            self._reclaim()
+            self._reclaim(step_s=duration_s)
         self.recorder.sample(self.now_s, len(self.scheduler.running), MemorySample.of_pool(self.pool))
 
     def _finish(self, state: ReqState) -> None:
@@ -287,16 +287,18 @@ class Runtime:
             self._reclaim(num_excess, [table], "layout")
 
     def _reclaim(self, num_blocks_short: int | None = None, tables: list[TokenTable] | None = None,
-                 trigger: str | None = None) -> None:
+                 trigger: str | None = None, step_s: float | None = None) -> None:
         """Plan and launch: lazily over every running request (None), or until `num_blocks_short`
-        blocks are freed (under pressure; or over the one table given, for the `layout` trigger)."""
+        blocks are freed (under pressure; or over the one table given, for the `layout` trigger).
+        `step_s`: the step a lazy round step runs after (the executor's duration of it), which a
+        budget that follows the step (`StepShare`) is a share of."""
         tables = tables if tables is not None else [s.table for s in self.scheduler.running]
         busy = frozenset(p.req_id for p in self.copy_engine.in_flight_plans)
         by_id = {t.req_id: t for t in tables}
         if trigger == "layout":
             plans = self.reclaimer.plan_repack(tables[0], num_blocks_short)
         elif num_blocks_short is None:
-            plans, trigger = self.reclaimer.plan(tables, busy), "lazy"
+            plans, trigger = self.reclaimer.plan(tables, busy, step_s), "lazy"
         else:
             plans, trigger = self.reclaimer.plan_to_free(tables, busy, num_blocks_short), "pressure"
         num_moved = sum(p.num_tokens_moved for p in plans)

@@ -48,6 +48,42 @@ ROUND_PLANNING_SLACK = 2
 
 
 @dataclass(frozen=True)
+class StepShare:
+    """A lazy round step's budget that follows the step it runs after (`--reclaim-budget auto`):
+    `moves_per_ms` tokens moved for every millisecond that step took (the sim's modelled step,
+    an executor's measured one), two blocks' worth at least. A fixed budget is a small share of
+    a long step and a large one of a short step: 2,048 moves cost some 0.2-0.4 ms of host
+    bookkeeping, 1.2% of the 33.6 ms step of 64 requests x 8K tokens at its worst
+    (benchmarks/bench_substrate.py), 2% of a 9 ms step.
+
+    The default 10 a millisecond is 0.5% of the step at 0.5 us of host bookkeeping a moved
+    token (plan, I4 check, apply, release, free: 0.3-0.5 us on the 2-core host in plans of a
+    few hundred moves), half the 1% goal: a round step's fixed cost and the step's evictions
+    share the rest.
+
+    A step's plans take at most B' = 1.25 x budget / S source blocks each (2 at least, the
+    configured B at most), so that a step moves at most 1.25x its budget however large a
+    request's plan would be; a request whose plan B' cut short goes on at the next step, while
+    B' more blocks fit in the B it may give a round, so that a round takes about as much from
+    each request as with a fixed budget (`Reclaimer.plan`)."""
+
+    moves_per_ms: float = defaults.RECLAIM_MOVES_PER_STEP_MS
+
+    def __post_init__(self) -> None:
+        if not self.moves_per_ms > 0:
+            raise ConfigError(f"reclaim budget must be > 0 tokens moved per millisecond of the step, got {self.moves_per_ms:g}")
+
+    def num_moves(self, step_s: float, block_size: int) -> int:
+        """The budget of a round step after a step of `step_s` seconds."""
+        return max(2 * block_size, int(self.moves_per_ms * 1e3 * step_s))
+
+    def num_src_blocks(self, num_moves: int, block_size: int, max_src_blocks: int) -> int:
+        """B' of a step with a budget of `num_moves`: 1.25x that many source slots, within
+        2 and `max_src_blocks` (the configured B)."""
+        return min(max_src_blocks, max(2, 5 * num_moves // (4 * block_size)))
+
+
+@dataclass(frozen=True)
 class ReclaimConfig:
     mode: str = defaults.RECLAIM_MODE
     theta_f: float = defaults.THETA_F  # plan only when the pool's waste ratio F is at least this
@@ -56,8 +92,9 @@ class ReclaimConfig:
     max_src_blocks: int = defaults.RECLAIM_BATCH_BLOCKS  # B: source blocks per plan
     headroom_blocks: int | None = None  # reserve for ordered destinations; default B (0 for hole-fill)
     # a lazy round launches plans that move at most this many tokens a step (one request's plan
-    # at least) and goes on at the next steps; None: the whole round in the step it starts
-    max_moves_per_step: int | None = defaults.RECLAIM_MOVES_PER_STEP
+    # at least) and goes on at the next steps; a StepShare: a number that follows the step;
+    # None: the whole round in the step it starts
+    max_moves_per_step: int | StepShare | None = defaults.RECLAIM_MOVES_PER_STEP
     # blocks kept free beyond what pressure needs now, so that a packing round lasts a few steps;
     # default: 1% of the pool, at least 1
     pressure_reserve_blocks: int | None = None
@@ -75,7 +112,7 @@ class ReclaimConfig:
             raise ConfigError(f"reclaim batch size B must be >= 2 blocks, got {self.max_src_blocks}")
         if self.headroom_blocks is not None and self.headroom_blocks < 0:
             raise ConfigError(f"headroom must be >= 0 blocks, got {self.headroom_blocks}")
-        if self.max_moves_per_step is not None and self.max_moves_per_step <= 0:
+        if isinstance(self.max_moves_per_step, int) and self.max_moves_per_step <= 0:
             raise ConfigError(f"reclaim budget must be > 0 tokens moved per step, got {self.max_moves_per_step}")
         if self.pressure_reserve_blocks is not None and self.pressure_reserve_blocks < 0:
             raise ConfigError(f"pressure reserve must be >= 0 blocks, got {self.pressure_reserve_blocks}")
@@ -99,6 +136,9 @@ class Reclaimer:
         self.num_pressure_reserve_blocks = max(1, -(-pool.num_blocks // 100)) if reserve is None else reserve
         self.num_headroom_blocks = config.num_headroom_blocks  # the config is frozen; asked every step
         self._round_req_ids: list[int] = []  # the lazy round's requests still to plan, the next one last
+        # StepShare: source blocks the round's plans took from each request that goes on (a plan
+        # B' cut short), against the B it may give a round
+        self._round_blocks_taken: dict[int, int] = {}
 
     @property
     def is_round_in_progress(self) -> bool:
@@ -122,9 +162,14 @@ class Reclaimer:
         the admissible pool with the pressure reserve to spare; 0 when they do (no pressure)."""
         return max(0, num_blocks_needed + self.num_pressure_reserve_blocks - self.num_admissible_blocks())
 
-    def plan(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int] = frozenset()) -> list[RelocationPlan]:
+    def plan(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int] = frozenset(),
+             step_s: float | None = None) -> list[RelocationPlan]:
         """Stage 3, lazy: this step's plans of the lazy round over `tables` (the running
         requests), starting one when none is in progress; changes no table and no block.
+        `step_s`: the duration of the step this one runs after, which a `StepShare` budget
+        needs (`step_budget`): its plans then take at most its B' source blocks each, and a
+        request whose plan B' cut (B' source blocks, B' < B) comes first at the next step, while
+        B' more fit in the B blocks a round takes from a request at most.
 
         A round takes every request with a reclaimable block (by the O(1) bound), the most
         first, ties by req_id. A step plans the next of them while the moves they can make at
@@ -140,15 +185,36 @@ class Reclaimer:
         plans stop when the free blocks run out.
         """
         tables = list(tables)
-        budget = self.config.max_moves_per_step
+        budget, per_plan = self.step_budget(step_s)
         if budget is None:
             return self._plans(tables, busy_req_ids, None)[0]  # every planning entry point plans in _plans
         if not self._round_req_ids:
             self._round_req_ids = self._round_order(tables, busy_req_ids)
-        plans, waiting_req_ids = self._plans(self._next_of_round(tables, busy_req_ids, ROUND_PLANNING_SLACK * budget),
-                                             busy_req_ids, None, budget)
+            self._round_blocks_taken = {}
+        chosen = self._next_of_round(tables, busy_req_ids, ROUND_PLANNING_SLACK * budget, per_plan)
+        plans, waiting_req_ids = self._plans(chosen, busy_req_ids, None, budget, per_plan)
         self._round_req_ids.extend(reversed(waiting_req_ids))
+        max_src_blocks = self.config.max_src_blocks
+        if per_plan < max_src_blocks:  # a plan B' cut short goes on at the next step, first
+            for plan in reversed(plans):
+                num_taken = self._round_blocks_taken.get(plan.req_id, 0) + plan.src_block_ids.size
+                if plan.src_block_ids.size == per_plan and num_taken + per_plan <= max_src_blocks:
+                    self._round_blocks_taken[plan.req_id] = num_taken
+                    self._round_req_ids.append(plan.req_id)
         return plans
+
+    def step_budget(self, step_s: float | None) -> tuple[int | None, int]:
+        """A lazy round step's budget, tokens moved (None: the whole round), and B, source
+        blocks a plan takes at most, after a step of `step_s` seconds: the configured ones, or a
+        `StepShare`'s budget for that step and its B', which need it."""
+        budget = self.config.max_moves_per_step
+        if not isinstance(budget, StepShare):
+            return budget, self.config.max_src_blocks
+        if step_s is None:
+            raise ValueError("a reclaim budget that follows the step needs the step's duration (step_s)")
+        block_size = self.pool.block_size
+        num_moves = budget.num_moves(step_s, block_size)
+        return num_moves, budget.num_src_blocks(num_moves, block_size, self.config.max_src_blocks)
 
     def _round_order(self, tables: list[TokenTable], busy_req_ids: frozenset[int]) -> list[int]:
         """A new round's requests, the next one last: every one with a reclaimable block by the
@@ -157,12 +223,12 @@ class Reclaimer:
                         if table.req_id not in busy_req_ids and (bound := table.max_reclaimable_blocks()) > 0)
         return [req_id for _, req_id in reversed(ranked)]
 
-    def _next_of_round(self, tables: list[TokenTable], busy_req_ids: frozenset[int], max_moves: int) -> list[TokenTable]:
+    def _next_of_round(self, tables: list[TokenTable], busy_req_ids: frozenset[int], max_moves: int,
+                       per_block: int) -> list[TokenTable]:
         """This step's requests of the round: the next ones still running, idle and with a
-        reclaimable block, while the tokens their plans can move at most fit in `max_moves`
-        (one request at least)."""
+        reclaimable block, while the tokens their plans of at most `per_block` source blocks
+        can move at most fit in `max_moves` (one request at least)."""
         by_id = {table.req_id: table for table in tables}
-        per_block = self.config.max_src_blocks
         chosen, num_moves_at_most = [], 0
         round_req_ids = self._round_req_ids
         while round_req_ids:
@@ -192,21 +258,23 @@ class Reclaimer:
         return self._plans([table], frozenset(), num_blocks)[0]
 
     def _plans(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int], num_blocks_wanted: int | None,
-               max_moves: int | None = None) -> tuple[list[RelocationPlan], list[int]]:
+               max_moves: int | None = None, max_src_blocks: int | None = None) -> tuple[list[RelocationPlan], list[int]]:
         """Plans over `tables`, most reclaimable first, until `num_blocks_wanted` are freed
         (None: every plan there is); with `max_moves` (a lazy round step's budget), the first of
         them while they move at most that many tokens, the first one whatever it moves
-        (`within_budget`). Returns the plans, and the req_ids of the requests with a plan past
-        the budget, in order: a hole-fill round counts each request's moves before it plans it,
-        so it does not make those plans; ordered plans are made and dropped."""
+        (`within_budget`). Each plan takes at most `max_src_blocks` source blocks (None: the
+        configured B). Returns the plans, and the req_ids of the requests with a plan past the
+        budget, in order: a hole-fill round counts each request's moves before it plans it, so
+        it does not make those plans; ordered plans are made and dropped."""
+        per_plan = self.config.max_src_blocks if max_src_blocks is None else max_src_blocks
         if self.config.mode == "hole-fill" and num_blocks_wanted is None:
-            plans, waiting = self._hole_fill_round(tables, busy_req_ids, max_moves)
+            plans, waiting = self._hole_fill_round(tables, busy_req_ids, max_moves, per_plan)
             return plans, [table.req_id for table in waiting]
         plans: list[RelocationPlan] = []
         num_dst_used = 0
         num_freed = 0
         for table, movable in most_reclaimable_first(tables, busy_req_ids):
-            max_src_blocks = self.config.max_src_blocks
+            max_src_blocks = per_plan
             if num_blocks_wanted is not None:
                 if num_freed >= num_blocks_wanted:
                     break
@@ -222,8 +290,8 @@ class Reclaimer:
         return within_budget(plans, max_moves) if max_moves is not None else (plans, [])
 
 
-    def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
-                         max_moves: int | None) -> tuple[list[RelocationPlan], list[TokenTable]]:
+    def _hole_fill_round(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int], max_moves: int | None,
+                         max_src_blocks: int) -> tuple[list[RelocationPlan], list[TokenTable]]:
         """Every hole-fill plan over `tables` at once (`plan_hole_fill_round`, one compiled call
         for them all), most reclaimable first, ties by req_id, or with `max_moves` the first of
         them within that many moves, and the tables of the others with a plan, in that order,
@@ -236,7 +304,7 @@ class Reclaimer:
         candidates = [table for table in tables if table.req_id not in busy_req_ids and table.max_reclaimable_blocks() > 0]
         if not candidates:
             return [], []
-        return plan_hole_fill_round(candidates, self.config.max_src_blocks, max_moves)
+        return plan_hole_fill_round(candidates, max_src_blocks, max_moves)
 
 
 def within_budget(plans: list[RelocationPlan], max_moves: int) -> tuple[list[RelocationPlan], list[int]]:
