@@ -75,7 +75,7 @@ from vtoken.engine.eviction import EvictionSchedule
 from vtoken.errors import ConfigError
 from vtoken.kv import compiled
 from vtoken.kv.block_pool import BlockPool
-from vtoken.kv.reclaim import Reclaimer
+from vtoken.kv.reclaim import Reclaimer, reclaim_budget_text
 from vtoken.kv.token_table import TokenTable
 from vtoken.metrics import RunResult
 from vtoken_cli.options import parse_reclaim_budget
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--eviction-interval", type=int, default=defaults.EVICTION_INTERVAL_TOKENS,
                         help="the policy runs every T generated tokens (1: every request evicts every step)")
-    parser.add_argument("--reclaim-budget", metavar="N|none", default=None,
+    parser.add_argument("--reclaim-budget", metavar="N|auto|none", default=None,
                         help="tokens a lazy round moves per step (vtoken compare's --reclaim-budget); default: as shipped")
     parser.add_argument("--interleave", type=int, metavar="STEPS",
                         help="replay the variants of a round side by side, STEPS steps of each in turn")
@@ -136,8 +136,10 @@ def main() -> None:
     experiment, requests = replayed(args.azure, args.max_requests, args.eviction_interval)
     experiment = dataclasses.replace(experiment, reclaim=dataclasses.replace(experiment.reclaim, max_moves_per_step=budget))
     how = f"side by side, {args.interleave} steps a turn" if args.interleave else "one after another"
+    budget_said = reclaim_budget_text(experiment.reclaim.max_moves_per_step)
     print(f"{len(requests)} requests, open loop, {experiment.model.name} on {experiment.gpu.name}, {experiment.num_blocks} blocks, "
-          f"eviction every {args.eviction_interval} tokens, a lazy round's budget {experiment.reclaim.max_moves_per_step} tokens a step, "
+          f"eviction every {args.eviction_interval} tokens, a lazy round's budget {budget_said} (tokens a step; auto: "
+          f"{defaults.RECLAIM_MOVES_PER_STEP_MS:g} a millisecond of the step before), "
           f"variants {how}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the start", flush=True)
     for variant in variants:

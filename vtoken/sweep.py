@@ -24,7 +24,7 @@ from vtoken.compare import check_variants, variant_to_json
 from vtoken.engine import VARIANTS, Run
 from vtoken.errors import ConfigError
 from vtoken.jsonsafe import make_json_safe
-from vtoken.kv.reclaim import StepShare
+from vtoken.kv.reclaim import reclaim_budget_text
 from vtoken.metrics import RunResult
 from vtoken.policies.base import Budget
 from vtoken.replay import Replayer
@@ -51,16 +51,6 @@ def _eviction(name: str) -> Callable[[Run, object], Run]:
     return lambda r, v: replace(r, experiment=replace(r.experiment, eviction=replace(r.experiment.eviction, **{name: v})))
 
 
-def _reclaim_budget_text(moves: int | StepShare | None) -> int | str:
-    """--reclaim-budget's text of a budget: its moves, 'none', or 'auto' (at its default rate;
-    another rate, set through the library, as 'N/ms')."""
-    if moves is None:
-        return "none"
-    if isinstance(moves, StepShare):
-        return "auto" if moves == StepShare() else f"{moves.moves_per_ms:g}/ms"
-    return moves
-
-
 def _reclaim(name: str) -> Callable[[Run, object], Run]:
     return lambda r, v: replace(r, experiment=replace(r.experiment, reclaim=replace(r.experiment.reclaim, **{name: v})))
 
@@ -78,7 +68,7 @@ PARAMETERS: dict[str, Parameter] = {
     "num_blocks": _experiment("num_blocks"),
     "reclaim_mode": Parameter(lambda r: r.experiment.reclaim.mode, _reclaim("mode")),
     "reclaim_budget": Parameter(lambda r: r.experiment.reclaim.max_moves_per_step, _reclaim("max_moves_per_step"),
-                                lambda moves: _reclaim_budget_text(moves)),
+                                reclaim_budget_text),
     "reclaim_interval": Parameter(lambda r: r.experiment.reclaim.check_interval_steps, _reclaim("check_interval_steps")),
     "reclaim_batch_blocks": Parameter(lambda r: r.experiment.reclaim.max_src_blocks, _reclaim("max_src_blocks")),
 }

@@ -52,9 +52,10 @@ class StepShare:
     """A lazy round step's budget that follows the step it runs after (`--reclaim-budget auto`):
     `moves_per_ms` tokens moved for every millisecond that step took (the sim's modelled step,
     an executor's measured one), two blocks' worth at least. A fixed budget is a small share of
-    a long step and a large one of a short step: 2,048 moves cost some 0.2-0.4 ms of host
-    bookkeeping, 1.2% of the 33.6 ms step of 64 requests x 8K tokens at its worst
-    (benchmarks/bench_substrate.py), 2% of a 9 ms step.
+    a long step and a large one of a short step: with the default 2,048 moves, the worst step's
+    evictions and round step took 0.43 ms of host time, 1.29% of the 33.6 ms step of 64
+    requests x 8K tokens, and 0.63 ms, 0.15% of the 418 ms step of 256 x 32K
+    (benchmarks/bench_substrate.py, the README's table).
 
     The default 10 a millisecond is 0.5% of the step at 0.5 us of host bookkeeping a moved
     token (plan, I4 check, apply, release, free: 0.3-0.5 us on the 2-core host in plans of a
@@ -64,8 +65,8 @@ class StepShare:
     A step's plans take at most B' = 1.25 x budget / S source blocks each (2 at least, the
     configured B at most), so that a step moves at most 1.25x its budget however large a
     request's plan would be; a request whose plan B' cut short goes on at the next step, while
-    B' more blocks fit in the B it may give a round, so that a round takes about as much from
-    each request as with a fixed budget (`Reclaimer.plan`)."""
+    B' more blocks fit in the B it may give a round, so that a round still takes up to B blocks
+    from a request, over as many steps as that needs (`Reclaimer.plan`)."""
 
     moves_per_ms: float = defaults.RECLAIM_MOVES_PER_STEP_MS
 
@@ -305,6 +306,17 @@ class Reclaimer:
         if not candidates:
             return [], []
         return plan_hole_fill_round(candidates, max_src_blocks, max_moves)
+
+
+def reclaim_budget_text(moves: int | StepShare | None) -> int | str:
+    """--reclaim-budget's text of a budget (`ReclaimConfig.max_moves_per_step`): its moves,
+    'none', or 'auto' (a StepShare at the default rate; another rate, set through the library,
+    as 'N/ms')."""
+    if moves is None:
+        return "none"
+    if isinstance(moves, StepShare):
+        return "auto" if moves == StepShare() else f"{moves.moves_per_ms:g}/ms"
+    return moves
 
 
 def within_budget(plans: list[RelocationPlan], max_moves: int) -> tuple[list[RelocationPlan], list[int]]:
