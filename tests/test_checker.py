@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from vtoken import defaults
 from vtoken.checker import (
     FAULT_DETECTED_BY, FAULT_KINDS, CheckOptions, TraceLimits, build_scenarios, bundled_sample_traces, check_invariants,
     report_to_json, scale_requests,
@@ -19,13 +20,14 @@ from vtoken.checker.contents import kv_content
 from vtoken.checker.copies import ReportAfterForwardCopyEngine, make_copy_engine
 from vtoken.checker.faults import FAULTS
 from vtoken.checker.observer import check_plan_independently
+from vtoken.checker.scenarios import fuzz_scenario
 from vtoken.engine.experiment import EvictionConfig, Experiment
 from vtoken.errors import ConfigError, InvariantError
 from vtoken.hardware import resolve_gpu
 from vtoken.kv.block_pool import BlockPool
 from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.kv_cache import KVShape, PagedKVCache
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, StepShare
 from vtoken.kv.token_table import TokenTable
 from vtoken.model_spec import resolve_model
 from vtoken.policies.base import Budget
@@ -187,6 +189,27 @@ def test_fuzz_with_a_fixed_seed_passes_and_repeats_exactly() -> None:
     assert len({run.block_size for run in first.runs}) > 1 and first.relocation_events > 0
     other = check_invariants([], make_base(seed=8), options)
     assert without_timings(report_to_json(other)) != without_timings(report_to_json(first))
+
+
+def test_fuzz_draws_the_reclaimers_budget_and_a_step_share_only_on_the_sim() -> None:
+    """Fuzz scenarios draw the lazy round's budget too (as shipped, small fixed ones, none, one
+    that follows the step), from a stream of their own, so that the other draws do not depend on
+    it. A budget that follows the step follows a measured one on the hf executor, which would
+    make a fuzz run depend on the host's timing: drawn on the sim only, and the hf executor's
+    scenarios, drawn from fewer kinds of budget, are otherwise the sim's."""
+    options = replace(ONE, num_fuzz_scenarios=60)
+    base = make_base(seed=7)
+    budgets = [fuzz_scenario(i, base, options).run.experiment.reclaim.max_moves_per_step for i in range(60)]
+    assert {type(b) for b in budgets} == {int, type(None), StepShare}
+    assert defaults.RECLAIM_MOVES_PER_STEP in budgets and any(isinstance(b, int) and b <= 128 for b in budgets)
+    hf_budgets = [fuzz_scenario(i, base, replace(options, executor="hf")).run.experiment.reclaim.max_moves_per_step
+                  for i in range(60)]
+    assert not any(isinstance(b, StepShare) for b in hf_budgets)
+    for i in range(10):  # the budget's draw leaves every other draw as it was
+        scenario, on_hf = fuzz_scenario(i, base, options), fuzz_scenario(i, base, replace(options, executor="hf"))
+        shipped = replace(scenario.run.experiment.reclaim, max_moves_per_step=defaults.RECLAIM_MOVES_PER_STEP)
+        assert replace(on_hf.run.experiment.reclaim, max_moves_per_step=defaults.RECLAIM_MOVES_PER_STEP) == shipped
+        assert on_hf.requests == scenario.requests
 
 
 # ---- the copy-engine harness ---------------------------------------------------------------------

@@ -800,7 +800,7 @@ def test_a_round_under_a_budget_that_follows_the_step_plans_what_that_steps_fixe
 
 def test_a_plan_the_steps_b_cut_short_goes_on_at_the_next_step_within_the_rounds_b() -> None:
     """StepShare, B = 6: a budget of 8 moves gives B' = 2, so a plan takes 2 source blocks, and
-    its request comes first at the next step, again while 2 more fit in its 6."""
+    its request comes first at the next step, planned alone, until it has given 6."""
     pool = BlockPool(64, S)
     a = make_layout(*["L..."] * 12, tail="L", pool=pool, req_id=0)  # bound 9: at most 9 blocks freed
     b = make_layout(*["L..."] * 8, tail="L", pool=pool, req_id=1)  # bound 6
@@ -815,8 +815,73 @@ def test_a_plan_the_steps_b_cut_short_goes_on_at_the_next_step_within_the_rounds
             complete(plan, tables[plan.req_id])
         if not reclaimer.is_round_in_progress:
             break
-    # each step plans both (their bounds at B' = 2, 8 moves each, fill two budgets) and launches
-    # both (2 moves each: a source here holds one live token); B' cuts both plans, so both go on
-    # at the next step, a first, until each gave 6 = B blocks (without going on: one step, 2 each)
-    assert steps == [[(0, 2), (1, 2)]] * 3
+    # the first step plans both (their bounds at B' = 2, 8 moves each, fill two budgets) and
+    # launches both (2 moves each: a source here holds one live token); B' cuts both plans, so
+    # both go on, a first, each planned alone until it gave 6 = B blocks (without going on: one
+    # step, 2 each)
+    assert steps == [[(0, 2), (1, 2)], [(0, 2)], [(0, 2)], [(1, 2)], [(1, 2)]]
     assert len(a.held_block_ids) == 13 - 6 and len(b.held_block_ids) == 9 - 6
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=st.lists(layouts(), min_size=1, max_size=6), max_src_blocks=st.integers(2, 8),
+       mode=st.sampled_from(["hole-fill", "ordered"]), copy_steps=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_a_round_that_follows_the_step_keeps_its_bounds_and_goes_on_with_the_requests_it_cut(
+        requests, max_src_blocks, mode, copy_steps, seed) -> None:
+    """StepShare rounds over steps of drawn durations, plans landing `copy_steps` steps after
+    their launch (a request with a copy in flight is busy), tokens evicted between steps: every
+    plan passes the I4 check when it is made; a plan takes at most the step's B' sources; a
+    step moves at most max(budget, B' x S); a round takes at most B blocks from a request; and a
+    request whose plan took all the step let it take, with less than B given, comes first in
+    the round, and is planned alone once it is idle with something to give back."""
+    rng = np.random.default_rng(seed)
+    pool = BlockPool(256, S)
+    tables = [make_layout(*blocks, tail=tail, pool=pool, req_id=req_id) for req_id, (blocks, tail, _, _) in enumerate(requests)]
+    share = StepShare(moves_per_ms=0.5)  # S = 4: 8 moves (B' = 2) up to 16 ms, then 0.5 a ms more
+    reclaimer = Reclaimer(ReclaimConfig(mode=mode, max_src_blocks=max_src_blocks, max_moves_per_step=share,
+                                        headroom_blocks=0), pool)
+    in_flight: list[tuple[int, RelocationPlan]] = []  # (the step it lands at, plan)
+    taken: dict[int, int] = {}  # the round's source blocks per request
+    going_on: set[int] = set()  # requests a cut plan left to go on
+    for step_idx in range(40):
+        for plan in [plan for due, plan in in_flight if due == step_idx]:
+            complete(plan, tables[plan.req_id])
+        in_flight = [(due, plan) for due, plan in in_flight if due > step_idx]
+        busy = frozenset(plan.req_id for _, plan in in_flight)
+        starts_round = not reclaimer.is_round_in_progress
+        if starts_round:
+            taken.clear()
+            going_on.clear()
+        step_s = float(rng.uniform(0.001, 0.06))
+        budget, b_prime = reclaimer.step_budget(step_s)
+        round_req_ids = reclaimer._round_req_ids
+        top = round_req_ids[-1] if round_req_ids else None  # the round's next request
+        goes_on_now = top in going_on and top not in busy and tables[top].max_reclaimable_blocks() > 0
+        plans = reclaimer.plan(tables, busy, step_s)
+        if goes_on_now:  # a request a cut plan left, idle: planned alone (or it had nothing to plan)
+            assert [p.req_id for p in plans] in ([], [top])
+        if top in going_on and top in busy:  # its copy still in flight: it waits in the round
+            assert top in reclaimer._round_req_ids
+        assert sum(p.num_tokens_moved for p in plans) <= max(budget, b_prime * S) or len(plans) == 1
+        cut = []
+        for plan in plans:
+            cap = min(b_prime, max_src_blocks - taken[plan.req_id]) if plan.req_id in going_on else b_prime
+            assert plan.src_block_ids.size <= cap
+            check_plan(plan, tables[plan.req_id], pool, busy)
+            launch(plan, tables[plan.req_id])
+            in_flight.append((step_idx + copy_steps, plan))
+            taken[plan.req_id] = taken.get(plan.req_id, 0) + plan.src_block_ids.size
+            assert taken[plan.req_id] <= max_src_blocks
+            going_on.discard(plan.req_id)
+            if b_prime < max_src_blocks and plan.src_block_ids.size == cap and taken[plan.req_id] < max_src_blocks:
+                going_on.add(plan.req_id)
+                cut.append(plan.req_id)
+        if cut:  # they come first at the next step, in the order they were planned
+            assert reclaimer._round_req_ids[-len(cut):] == cut[::-1]
+        in_flight_now = {plan.req_id for _, plan in in_flight}
+        for table in tables:  # one token of some idle requests dies between two steps
+            live = table.live_token_ids()
+            if table.req_id not in in_flight_now and live.size > 2 and rng.random() < 0.5:
+                emptied = table.evict_tokens(np.array([int(rng.choice(live[:-1]))]))
+                table.release_blocks(emptied)
+                pool.free(emptied)

@@ -17,7 +17,7 @@ from vtoken.checker.names import EXECUTORS, FAULT_KINDS, PRESSURE, TraceLimits
 from vtoken import defaults
 from vtoken.engine.experiment import EvictionConfig, Experiment, Run
 from vtoken.errors import ConfigError
-from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig
+from vtoken.kv.reclaim import RECLAIM_MODES, ReclaimConfig, StepShare
 from vtoken.policies import DEFAULT_AUDIT_POLICIES, POLICIES
 from vtoken.policies.base import Budget
 from vtoken.trace import Request, Trace
@@ -156,6 +156,23 @@ def pressure_num_blocks(requests: Sequence[Request], block_size: int, base: Expe
 # ---- fuzz ------------------------------------------------------------------------------------------
 
 
+def _fuzz_reclaim_budget(rng: np.random.Generator, executor: str) -> int | StepShare | None:
+    """A fuzz scenario's lazy-round budget, from a stream of its own, so that the scenario's
+    other draws are what they were before it was drawn: as shipped, a small fixed one (rounds
+    over many steps, their plans cut by it), the whole round in one step, or one that follows
+    the step with its plans cut to B' (the sim's only: a measured step would make a fuzz run
+    depend on the host's timing, and fuzzing repeats exactly)."""
+    kinds = ("shipped", "fixed", "whole-round", "step-share") if executor == "sim" else ("shipped", "fixed", "whole-round")
+    kind = kinds[int(rng.integers(0, len(kinds)))]
+    if kind == "fixed":
+        return int(rng.integers(1, 129))
+    if kind == "whole-round":
+        return None
+    if kind == "step-share":
+        return StepShare(moves_per_ms=float(np.exp(rng.uniform(np.log(0.2), np.log(20.0)))))  # 0.2-20, as many below 2 as above
+    return defaults.RECLAIM_MOVES_PER_STEP
+
+
 def fuzz_scenario(index: int, base: Experiment, options: CheckOptions) -> Scenario:
     """Random scenario `index` of seed `base.seed`: requests (lengths, arrivals, shared
     prefixes), budget, policy, reclaim mode and its knobs, block size and block budget."""
@@ -168,7 +185,9 @@ def fuzz_scenario(index: int, base: Experiment, options: CheckOptions) -> Scenar
         keep = replace(keep, keep_ratio=None, num_tokens=int(rng.integers(16, 512)))
     mode = str(rng.choice(options.reclaim_modes))
     reclaim = ReclaimConfig(mode=mode, theta_f=float(rng.uniform(0.05, 0.5)), check_interval_steps=int(rng.integers(1, 5)),
-                            max_src_blocks=int(rng.integers(2, 33)))
+                            max_src_blocks=int(rng.integers(2, 33)),
+                            max_moves_per_step=_fuzz_reclaim_budget(np.random.default_rng([base.seed, index, 0xB0]),
+                                                                    options.executor))
     concurrency = None if rng.random() < 0.3 else int(rng.integers(1, 9))
     seed = int(rng.integers(0, 2**31))
     scheduler = replace(base.scheduler, max_num_batched_tokens=int(rng.choice([64, 256, 2048])))

@@ -64,9 +64,9 @@ class StepShare:
 
     A step's plans take at most B' = 1.25 x budget / S source blocks each (2 at least, the
     configured B at most), so that a step moves at most 1.25x its budget however large a
-    request's plan would be; a request whose plan B' cut short goes on at the next step, while
-    B' more blocks fit in the B it may give a round, so that a round still takes up to B blocks
-    from a request, over as many steps as that needs (`Reclaimer.plan`)."""
+    request's plan would be; a request whose plan B' cut short goes on at the next step, alone,
+    until it has given the B blocks a round takes from a request at most, so that a round still
+    takes up to B blocks from a request, over as many steps as that needs (`Reclaimer.plan`)."""
 
     moves_per_ms: float = defaults.RECLAIM_MOVES_PER_STEP_MS
 
@@ -138,7 +138,7 @@ class Reclaimer:
         self.num_headroom_blocks = config.num_headroom_blocks  # the config is frozen; asked every step
         self._round_req_ids: list[int] = []  # the lazy round's requests still to plan, the next one last
         # StepShare: source blocks the round's plans took from each request that goes on (a plan
-        # B' cut short), against the B it may give a round
+        # B' cut short), against the B a round takes from it at most
         self._round_blocks_taken: dict[int, int] = {}
 
     @property
@@ -169,8 +169,9 @@ class Reclaimer:
         requests), starting one when none is in progress; changes no table and no block.
         `step_s`: the duration of the step this one runs after, which a `StepShare` budget
         needs (`step_budget`): its plans then take at most its B' source blocks each, and a
-        request whose plan B' cut (B' source blocks, B' < B) comes first at the next step, while
-        B' more fit in the B blocks a round takes from a request at most.
+        request whose plan B' cut (B' source blocks, B' < B) comes first at the next step, until
+        it has given the B blocks a round takes from a request at most: it is then planned
+        alone, within B' and what is left of its B.
 
         A round takes every request with a reclaimable block (by the O(1) bound), the most
         first, ties by req_id. A step plans the next of them while the moves they can make at
@@ -193,13 +194,17 @@ class Reclaimer:
             self._round_req_ids = self._round_order(tables, busy_req_ids)
             self._round_blocks_taken = {}
         chosen = self._next_of_round(tables, busy_req_ids, ROUND_PLANNING_SLACK * budget, per_plan)
-        plans, waiting_req_ids = self._plans(chosen, busy_req_ids, None, budget, per_plan)
-        self._round_req_ids.extend(reversed(waiting_req_ids))
         max_src_blocks = self.config.max_src_blocks
-        if per_plan < max_src_blocks:  # a plan B' cut short goes on at the next step, first
+        step_per_plan = per_plan
+        if chosen and (num_taken := self._round_blocks_taken.get(chosen[0].req_id)) is not None:
+            # it goes on from a plan B' cut (alone): within what is left of the B a round takes from it
+            step_per_plan = min(per_plan, max_src_blocks - num_taken)
+        plans, waiting_req_ids = self._plans(chosen, busy_req_ids, None, budget, step_per_plan)
+        self._round_req_ids.extend(reversed(waiting_req_ids))
+        if per_plan < max_src_blocks:  # a plan the step's B' cut goes on at the next step, first
             for plan in reversed(plans):
                 num_taken = self._round_blocks_taken.get(plan.req_id, 0) + plan.src_block_ids.size
-                if plan.src_block_ids.size == per_plan and num_taken + per_plan <= max_src_blocks:
+                if plan.src_block_ids.size == step_per_plan and num_taken < max_src_blocks:
                     self._round_blocks_taken[plan.req_id] = num_taken
                     self._round_req_ids.append(plan.req_id)
         return plans
@@ -228,22 +233,33 @@ class Reclaimer:
                        per_block: int) -> list[TokenTable]:
         """This step's requests of the round: the next ones still running, idle and with a
         reclaimable block, while the tokens their plans of at most `per_block` source blocks
-        can move at most fit in `max_moves` (one request at least)."""
+        can move at most fit in `max_moves` (one request at least). A request that goes on from
+        a plan B' cut (`plan`) is chosen alone; while its copy is still in flight (asynchronous
+        copies land at the next step) it waits in the round for it instead of leaving the round
+        as a busy one does, and comes first again after this step's requests."""
         by_id = {table.req_id: table for table in tables}
-        chosen, num_moves_at_most = [], 0
+        chosen, num_moves_at_most, in_flight = [], 0, []
         round_req_ids = self._round_req_ids
         while round_req_ids:
-            table = by_id.get(round_req_ids[-1])
-            bound = table.max_reclaimable_blocks() if table is not None and table.req_id not in busy_req_ids else 0
+            req_id = round_req_ids[-1]
+            table = by_id.get(req_id)
+            if table is not None and req_id in busy_req_ids and req_id in self._round_blocks_taken:
+                in_flight.append(round_req_ids.pop())
+                continue
+            bound = table.max_reclaimable_blocks() if table is not None and req_id not in busy_req_ids else 0
             if bound <= 0:
                 round_req_ids.pop()
                 continue
+            goes_on = req_id in self._round_blocks_taken
             num_moves = min(bound, per_block) * table.block_size  # hole-fill: at most S moves per block freed
-            if chosen and num_moves_at_most + num_moves > max_moves:
+            if chosen and (goes_on or num_moves_at_most + num_moves > max_moves):
                 break
             round_req_ids.pop()
             chosen.append(table)
             num_moves_at_most += num_moves
+            if goes_on:
+                break
+        round_req_ids.extend(reversed(in_flight))
         return chosen
 
     def plan_to_free(self, tables: Iterable[TokenTable], busy_req_ids: frozenset[int],
