@@ -53,8 +53,8 @@ class StepShare:
     `moves_per_ms` tokens moved for every millisecond that step took (the sim's modelled step,
     an executor's measured one), two blocks' worth at least. A fixed budget is a small share of
     a long step and a large one of a short step: with the default 2,048 moves, the worst step's
-    evictions and round step took 0.43 ms of host time, 1.29% of the 33.6 ms step of 64
-    requests x 8K tokens, and 0.63 ms, 0.15% of the 418 ms step of 256 x 32K
+    evictions and round step took 0.45 ms of host time, 1.33% of the 33.6 ms step of 64
+    requests x 8K tokens, and 0.75 ms, 0.18% of the 418 ms step of 256 x 32K
     (benchmarks/bench_substrate.py, the README's table).
 
     The default 10 a millisecond is 0.5% of the step at 0.5 us of host bookkeeping a moved
