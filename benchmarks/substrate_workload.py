@@ -10,12 +10,12 @@ them, or with `landing="next-step"` at the next one, as asynchronous copies do):
                  0.25, a round starts; it moves at most 2,048 tokens a step and goes on at the
                  next steps until every request it took is planned
     auto         the default with a budget that follows the step (`--reclaim-budget auto`,
-                 StepShare): 10 moves a millisecond of the modelled step, B as shipped
+                 StepShare): 10 moves a millisecond of the modelled step, plans of at most
+                 B' = 1.25 x budget / S blocks, a request whose plan B' cut going on alone
     whole-round  the same gate, the whole round in the step it starts (max_moves_per_step=None,
                  `vtoken compare --reclaim-budget none`): one step does a whole cycle's work
-    paced        the gate checked every step, a step's moves capped at a budget derived from
-                 the modelled step (`paced_moves_per_step`), plans of at most 1.25 x budget / S
-                 source blocks
+    paced        the gate checked every step, a fixed budget: auto's after the modelled step
+                 (`paced_moves_per_step`), plans of at most its B' source blocks
     every-step   plan every step regardless of F (a stress case: many one-block plans)
 """
 
@@ -37,7 +37,7 @@ from vtoken.kv.copy_engine import CopyEngine
 from vtoken.kv.live_counts import compiled_loops
 from vtoken.kv.moves import RelocationPlan, end_to_end
 from vtoken.kv.planning import plan_hole_fill_round
-from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, StepShare
+from vtoken.kv.reclaim import ReclaimConfig, Reclaimer, StepShare, src_blocks_for_moves
 from vtoken.kv.token_table import TokenTable
 from vtoken.model_spec import resolve_model
 
@@ -52,12 +52,6 @@ LANDINGS = ("same-step", "next-step")  # when launched plans land: synchronous c
 # and so keeps each list up to date, which every eviction then records (`remove_later`)
 READERS = ("none", "slots")
 ROUND_CADENCES = ("default", "auto", "whole-round", "paced")  # a round starts at a check and ends when it is done
-# The paced cadence's step moves at most about this share of the modelled decode step's worth
-# of tokens, at HOST_US_PER_MOVE each (a moved token's host cost in plans of a few hundred
-# moves: plan, apply, release, free; measured with this bench on the 2-core machine, 0.3-0.5 us
-# when it is quiet). Half the 1% goal: the round's fixed cost and the evictions share the rest.
-PACED_SHARE_OF_STEP = 0.005
-HOST_US_PER_MOVE = 0.5
 NO_BLOCKS = np.zeros(0, dtype=np.int64)
 # what a diagnostic warms between the steps outside a round (EvictingRun.warm_round_code): the
 # round's code run through the substrate's verbs, Python and compiled, or its compiled calls alone
@@ -77,8 +71,8 @@ def modelled_step_us(num_requests: int, context_tokens: int) -> float:
 
 
 def paced_moves_per_step(step_us: float) -> int:
-    """The paced cadence's budget: tokens moved per step, from the modelled step."""
-    return max(2 * BLOCK_SIZE, int(PACED_SHARE_OF_STEP * step_us / HOST_US_PER_MOVE))
+    """The paced cadence's budget: `--reclaim-budget auto`'s (StepShare) after the modelled step."""
+    return StepShare().num_moves(step_us / 1e6, BLOCK_SIZE)
 
 
 def reclaim_config(cadence: str, step_us: float, mode: str = "hole-fill") -> ReclaimConfig:
@@ -92,12 +86,11 @@ def reclaim_config(cadence: str, step_us: float, mode: str = "hole-fill") -> Rec
 
 
 def budgeted_config(num_moves: int, mode: str = "hole-fill") -> ReclaimConfig:
-    """The paced cadence's reclaimer at a budget of `num_moves` tokens a step: the gate checked
-    every step, and B x S = 1.25 x the budget: the last blocks of a request are mostly full
-    (recent tokens), so one plan usually fills the step alone (a plan's fixed cost, a few dozen
-    numpy calls, outweighs its moves); a step moves at most max(budget, B x S) = 1.25 x the budget."""
+    """The paced cadence's reclaimer at a fixed budget of `num_moves` tokens a step: the gate
+    checked every step, and B the B' that StepShare gives that budget (`src_blocks_for_moves`,
+    here not capped by the shipped B), so that a request gives a round one plan."""
     return ReclaimConfig(mode=mode, check_interval_steps=1, max_moves_per_step=num_moves,
-                         max_src_blocks=max(2, 5 * num_moves // (4 * BLOCK_SIZE)))
+                         max_src_blocks=src_blocks_for_moves(num_moves, BLOCK_SIZE))
 
 
 def num_pool_blocks(num_requests: int, context_tokens: int, num_steps: int) -> int:

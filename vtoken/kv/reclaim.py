@@ -79,9 +79,16 @@ class StepShare:
         return max(2 * block_size, int(self.moves_per_ms * 1e3 * step_s))
 
     def num_src_blocks(self, num_moves: int, block_size: int, max_src_blocks: int) -> int:
-        """B' of a step with a budget of `num_moves`: 1.25x that many source slots, within
-        2 and `max_src_blocks` (the configured B)."""
-        return min(max_src_blocks, max(2, 5 * num_moves // (4 * block_size)))
+        """B' of a step with a budget of `num_moves`: `src_blocks_for_moves`, within the
+        configured B (`max_src_blocks`)."""
+        return min(max_src_blocks, src_blocks_for_moves(num_moves, block_size))
+
+
+def src_blocks_for_moves(num_moves: int, block_size: int) -> int:
+    """Source blocks a plan may take under a budget of `num_moves` a step: 1.25x that many
+    slots, 2 at least. A request's last blocks are mostly full (recent tokens), so one such plan
+    usually fills a step alone, and a step moves at most max(budget, that x S), 1.25x the budget."""
+    return max(2, 5 * num_moves // (4 * block_size))
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class ReclaimConfig:
             raise ConfigError(f"reclaim batch size B must be >= 2 blocks, got {self.max_src_blocks}")
         if self.headroom_blocks is not None and self.headroom_blocks < 0:
             raise ConfigError(f"headroom must be >= 0 blocks, got {self.headroom_blocks}")
-        if isinstance(self.max_moves_per_step, int) and self.max_moves_per_step <= 0:
+        if self.max_moves_per_step is not None and not isinstance(self.max_moves_per_step, StepShare) and self.max_moves_per_step <= 0:
             raise ConfigError(f"reclaim budget must be > 0 tokens moved per step, got {self.max_moves_per_step}")
         if self.pressure_reserve_blocks is not None and self.pressure_reserve_blocks < 0:
             raise ConfigError(f"pressure reserve must be >= 0 blocks, got {self.pressure_reserve_blocks}")
